@@ -1,0 +1,34 @@
+// The local arithmetic a schedule needs between transfers. The ring and
+// hierarchical schedules call only these, so a transport (in-process memcpy,
+// NCCL) supplies its own implementation: plain loops on CPU, kernels on a
+// CUDA stream.
+#pragma once
+
+#include <cstddef>
+
+#include "common/dtype.h"
+
+namespace jaxcomm {
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+  // dst[i] = dst_type(src[i] * scale), computed in the wider of the two types.
+  virtual void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                       double scale) = 0;
+  // acc[i] += acc_type(src[i]); acc_type is float32 or float64.
+  virtual void Accumulate(void* acc, DType acc_type, const void* src, DType src_type,
+                          size_t n) = 0;
+};
+
+// Plain C++ loops; used by the CPU transport and by the test harness.
+class CpuKernels final : public Kernels {
+ public:
+  void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+               double scale) override;
+  void Accumulate(void* acc, DType acc_type, const void* src, DType src_type,
+                  size_t n) override;
+  static CpuKernels& Get();
+};
+
+}  // namespace jaxcomm

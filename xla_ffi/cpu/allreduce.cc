@@ -1,0 +1,136 @@
+// allreduce for the CPU FFI backend: ring, hierarchical or direct, optionally
+// restricted to the chunks a mask selects (pack, reduce, unpack in one call).
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "algorithm/schedule.h"
+#include "cpu/collective.h"
+#include "cpu/direct.h"
+#include "cpu/ffi_util.h"
+
+namespace jaxcomm::cpu {
+namespace {
+
+// Runs the chosen schedule on n contiguous elements.
+Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec,
+                        const void* in, void* out, size_t n) {
+  Kernels& k = CpuKernels::Get();
+  switch (algorithm) {
+    case Algorithm::kDirect: return DirectAllReduce(*rings.flat, k, spec, in, out, n);
+    case Algorithm::kRing: {
+      std::unique_ptr<char[]> scratch(new char[AllReduceScratchBytes(n, spec, rings.flat->size())]);
+      return RingAllReduce(*rings.flat, k, spec, in, out, n, scratch.get());
+    }
+    case Algorithm::kHierarchical: {
+      std::unique_ptr<char[]> scratch(
+          new char[AllReduceScratchBytes(n, spec, rings.intra->size())]);
+      return HierarchicalAllReduce(*rings.intra, *rings.inter, k, spec, in, out, n,
+                                   scratch.get());
+    }
+  }
+  return Status(Code::kInvalidArgument, "jaxcomm allreduce: unknown algorithm");
+}
+
+// The chunks a mask selects, as [begin, end) element ranges.
+std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size,
+                                  size_t n) {
+  std::vector<Range> ranges;
+  for (size_t c = 0; c < nchunks; ++c) {
+    if (mask[c]) ranges.push_back({c * chunk_size, std::min(n, (c + 1) * chunk_size)});
+  }
+  return ranges;
+}
+
+ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
+                         int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
+                         double postscale, int64_t chunk_size) {
+  ReduceSpec spec;
+  if (auto err = DecodeTypes("allreduce", x.element_type(), wire_dtype, &spec.input, &spec.wire);
+      !err.success()) {
+    return err;
+  }
+  spec.prescale = prescale;
+  spec.postscale = postscale;
+  if (coords.element_count() < 2) {
+    return ffi::Error::InvalidArgument("jaxcomm allreduce: coords must hold [group, rank]");
+  }
+  if (algorithm < 0 || algorithm > 2) {
+    return ffi::Error::InvalidArgument("jaxcomm allreduce: unknown algorithm code " +
+                                       std::to_string(algorithm));
+  }
+  const size_t n = x.element_count();
+  const size_t isz = SizeOf(spec.input);
+
+  std::vector<Range> chunks;
+  const bool masked = mask.element_count() > 0;
+  if (masked) {
+    if (chunk_size <= 0) return ffi::Error::InvalidArgument("jaxcomm allreduce: chunk_size <= 0");
+    const size_t nchunks = (n + chunk_size - 1) / chunk_size;
+    if (mask.element_count() != nchunks) {
+      return ffi::Error::InvalidArgument(
+          "jaxcomm allreduce: chunk mask has " + std::to_string(mask.element_count()) +
+          " entries but the input has " + std::to_string(nchunks) + " chunks");
+    }
+    chunks = SelectedChunks(mask.typed_data(), nchunks, chunk_size, n);
+  }
+  size_t packed = 0;
+  for (const Range& c : chunks) packed += c.size();
+
+  const CallSite site{
+      "allreduce", run_id.run_id, op_id, device, coords.typed_data()[0], coords.typed_data()[1],
+      nranks, intra_size, static_cast<Algorithm>(algorithm),
+      Fingerprint({1, static_cast<int64_t>(n), static_cast<int>(spec.input),
+                   static_cast<int>(spec.wire), algorithm, intra_size, chunk_size,
+                   masked ? static_cast<int64_t>(packed) : -1,
+                   masked ? static_cast<int64_t>(chunks.size()) : -1})};
+
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* out = static_cast<char*>(y->untyped_data());
+  Status st = RunCollective(site, [&](Rings& rings) -> Status {
+    if (!masked) return ReduceContiguous(rings, site.algorithm, spec, in, out, n);
+    // Only the selected chunks travel: pack them, reduce, unpack; the other
+    // chunks keep the local values.
+    std::unique_ptr<char[]> buffer(new char[std::max<size_t>(2 * packed, 1) * isz]);
+    char* packed_in = buffer.get();
+    char* packed_out = packed_in + packed * isz;
+    size_t at = 0;
+    for (const Range& c : chunks) {
+      std::memcpy(packed_in + at * isz, in + c.begin * isz, c.size() * isz);
+      at += c.size();
+    }
+    JAXCOMM_RETURN_IF_ERROR(
+        ReduceContiguous(rings, site.algorithm, spec, packed_in, packed_out, packed));
+    if (out != in) std::memcpy(out, in, n * isz);
+    at = 0;
+    for (const Range& c : chunks) {
+      std::memcpy(out + c.begin * isz, packed_out + at * isz, c.size() * isz);
+      at += c.size();
+    }
+    return Status::Ok();
+  });
+  return ToError(st);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCpu, AllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()             // shared by one execution's devices
+                                  .Ctx<ffi::DeviceOrdinal>()     // for stats and messages
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
+                                  .Arg<ffi::Buffer<ffi::PRED>>() // chunk mask; empty = all
+                                  .Ret<ffi::AnyBuffer>()         // y, same shape and dtype
+                                  .Attr<int64_t>("op_id")        // call site, same on all devices
+                                  .Attr<int32_t>("algorithm")    // Algorithm code
+                                  .Attr<int32_t>("nranks")       // ranks on the reduced axes
+                                  .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
+                                  .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
+                                  .Attr<double>("prescale")      // before the wire cast
+                                  .Attr<double>("postscale")     // after the reduction
+                                  .Attr<int64_t>("chunk_size")); // mask granularity, elements
+
+}  // namespace jaxcomm::cpu

@@ -1,0 +1,46 @@
+// The parts of a CPU collective call that do not depend on which collective
+// it is: decoding the rank, joining the rings, mapping dtypes and errors.
+// The handlers (allreduce.cc, reduce_scatter.cc, all_gather.cc) and the
+// pybind11 test harness all go through RunCollective.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "algorithm/schedule.h"
+#include "cpu/rendezvous.h"
+
+namespace jaxcomm::cpu {
+
+// Integer codes shared with jaxcomm/collectives/_ffi.py.
+enum class Algorithm : int32_t { kRing = 0, kHierarchical = 1, kDirect = 2 };
+
+struct CallSite {
+  std::string op;         // for messages: "allreduce", ...
+  int64_t run_id;         // same on every device of one execution
+  int64_t op_id;          // same on every device for one call site
+  int32_t device;         // for stats and messages
+  int64_t group;          // index over the mesh axes not reduced
+  int32_t rank;           // position on the reduced axes
+  int32_t nranks;
+  int32_t intra_size;     // hierarchical only: ranks per node
+  Algorithm algorithm;
+  uint64_t fingerprint;   // everything the ranks must agree on
+};
+
+// The connected rings of one call: `flat` for ring/direct, `intra` and
+// `inter` for hierarchical. Leaving happens when this is destroyed.
+struct Rings {
+  std::unique_ptr<InProcessTransport> flat, intra, inter;
+  uint64_t bytes_sent() const;
+};
+
+// Joins the rings `site` needs, runs `body`, records stats. Every rank runs
+// this; a failure on one rank aborts the slot so the others fail fast too.
+Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& body);
+
+uint64_t Fingerprint(std::initializer_list<int64_t> values);
+
+}  // namespace jaxcomm::cpu

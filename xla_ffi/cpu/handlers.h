@@ -1,0 +1,10 @@
+// The CPU FFI handlers this library registers with XLA (platform "cpu").
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jaxcomm::cpu {
+extern "C" XLA_FFI_Error* AllReduceCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* ReduceScatterCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllGatherCpu(XLA_FFI_CallFrame* call_frame);
+}  // namespace jaxcomm::cpu
