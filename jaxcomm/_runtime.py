@@ -1,0 +1,44 @@
+"""Runtime controls of the ffi backend: timeout and wire-byte counters."""
+
+from __future__ import annotations
+
+from jaxcomm.collectives import _ffi
+
+
+def _ext():
+    ext = _ffi._extension()
+    if ext is None:
+        raise RuntimeError("jaxcomm's compiled extension (jaxcomm._ffi) is not installed")
+    return ext
+
+
+def set_ffi_timeout(seconds: float) -> None:
+    """Sets how long a CPU ffi collective waits for its peers before failing.
+
+    A rank that does not arrive (or stops halfway) within this time makes the
+    call fail with an error naming the missing ranks, instead of hanging.
+    Default 60 s. Applies to calls made after this, in compiled code too.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds={seconds!r} must be positive")
+    _ext().set_timeout(float(seconds))
+
+
+def get_ffi_timeout() -> float:
+    return _ext().get_timeout()
+
+
+def ffi_stats() -> dict[int, dict[str, int]]:
+    """Bytes each device sent through CPU ffi collectives, and its call count.
+
+    Returns:
+      ``{device_id: {"bytes_sent": int, "calls": int}}``, counting since the
+      process started or the last :func:`reset_ffi_stats`. Bytes are the
+      wire-format payload the algorithm moves out of the device (2(N-1)/N of
+      the buffer for an allreduce).
+    """
+    return {d: {"bytes_sent": b, "calls": c} for d, b, c in _ext().stats()}
+
+
+def reset_ffi_stats() -> None:
+    _ext().reset_stats()

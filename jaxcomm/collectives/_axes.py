@@ -1,0 +1,69 @@
+"""Where a device sits on the reduced mesh axes: group size, rank, and group.
+
+A collective over axes A runs one independent ring per combination of the
+other bound axes (its *group*); the FFI backend needs both numbers to find
+its peers. They come from `lax.axis_index`, so the same code works under
+`shard_map` (any mesh) and `pmap`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as _core  # bound axis names; no public API gives them
+
+
+class AxisPlacement(NamedTuple):
+    axes: tuple  # the reduced axes, outermost first
+    shape: tuple  # devices along each of them
+    size: int  # devices on them all (N)
+    rank: jax.Array  # int32, this device's linear index over `axes`
+    group: jax.Array  # int32, linear index over the other bound axes
+
+
+def normalize(axis_name) -> tuple:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes:
+        raise ValueError("axis_name must name at least one axis")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis_name={axis_name!r} repeats an axis")
+    return axes
+
+
+def bound_axes() -> dict:
+    """{name: size} of the mesh / pmap axes bound at this point of the trace."""
+    env = _core.get_axis_env()
+    return dict(env.axis_sizes)
+
+
+def sizes(axes: tuple) -> tuple:
+    bound = bound_axes()
+    missing = [a for a in axes if a not in bound]
+    if missing:
+        raise NameError(
+            f"axis name(s) {missing} are not bound here (bound: {sorted(map(str, bound))}); "
+            "call jaxcomm collectives inside jax.shard_map or jax.pmap over those axes"
+        )
+    return tuple(bound[a] for a in axes)
+
+
+def placement(axis_name) -> AxisPlacement:
+    axes = normalize(axis_name)
+    shape = sizes(axes)
+    size = math.prod(shape)
+    rank = lax.axis_index(axes).astype(jnp.int32)
+    others = tuple(a for a in bound_axes() if a not in axes)
+    group = lax.axis_index(others).astype(jnp.int32) if others else jnp.int32(0)
+    return AxisPlacement(axes, shape, size, rank, group)
+
+
+def reduced_type(x, axes: tuple):
+    """The manual-axis type of a result that is the same on every device of `axes`."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    if mat is None:
+        return None
+    return mat.update(varying=mat.varying - frozenset(axes))

@@ -1,0 +1,141 @@
+"""The `ffi` backend: XLA FFI custom calls into xla_ffi/.
+
+Each call carries an op id, unique per call site and equal on every device
+(all devices run the same program), and an int32 [group, rank] operand from
+`lax.axis_index`; the handler adds the execution's RunId to find its peers.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm.collectives._axes import AxisPlacement, reduced_type
+
+# Integer codes shared with xla_ffi/common/dtype.h and xla_ffi/cpu/collective.h.
+_DTYPE_CODES = {
+    np.dtype(jnp.float32): 0,
+    np.dtype(jnp.float16): 1,
+    np.dtype(jnp.bfloat16): 2,
+    np.dtype(jnp.float64): 3,
+}
+ALGORITHM_CODES = {"ring": 0, "hierarchical": 1, "direct": 2}
+
+_op_ids = itertools.count(1)
+
+
+@functools.cache
+def _extension():
+    """The compiled module, or None when jaxcomm was installed without it."""
+    try:
+        from jaxcomm import _ffi
+    except ImportError:
+        return None
+    return _ffi
+
+
+@functools.cache
+def _register() -> frozenset:
+    """Registers the handlers with XLA once; returns the platforms served."""
+    ext = _extension()
+    if ext is None:
+        return frozenset()
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return frozenset({"cpu"})
+
+
+def available(platform: str | None = None) -> bool:
+    """Whether the ffi backend can run on `platform` (default: jax's default backend)."""
+    platform = platform or jax.default_backend()
+    return platform in _register()
+
+
+def require(platform: str | None = None) -> None:
+    platform = platform or jax.default_backend()
+    if _extension() is None:
+        raise RuntimeError(
+            "backend='ffi' needs jaxcomm's compiled extension (jaxcomm._ffi), which is not "
+            "installed; reinstall jaxcomm from source, or use backend='xla'"
+        )
+    if not available(platform):
+        raise RuntimeError(
+            f"backend='ffi' has no handler for platform {platform!r} in this build "
+            f"(available: {sorted(_register())}); use backend='xla'"
+        )
+
+
+def _wire_code(wire, dtype) -> np.int32:
+    return np.int32(-1 if np.dtype(wire) == np.dtype(dtype) else _DTYPE_CODES[np.dtype(wire)])
+
+
+def _coords(place: AxisPlacement):
+    return jnp.stack([place.group, place.rank]).astype(jnp.int32)
+
+
+def _result(x, shape, axes):
+    return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=reduced_type(x, axes))
+
+
+def allreduce(
+    x,
+    place: AxisPlacement,
+    *,
+    algorithm,
+    wire,
+    prescale,
+    postscale,
+    chunk_mask=None,
+    chunk_size=1,
+    intra_size=1,
+):
+    """Flat 1-D allreduce in one custom call (mask: pack, reduce, unpack inside)."""
+    require()
+    mask = jnp.zeros((0,), jnp.bool_) if chunk_mask is None else chunk_mask
+    # Unselected chunks keep local values, so a masked result is not replicated.
+    replicated = place.axes if chunk_mask is None else ()
+    call = jax.ffi.ffi_call("jaxcomm_allreduce", _result(x, x.shape, replicated))
+    return call(
+        x,
+        _coords(place),
+        mask,
+        op_id=np.int64(next(_op_ids)),
+        algorithm=np.int32(ALGORITHM_CODES[algorithm]),
+        nranks=np.int32(place.size),
+        intra_size=np.int32(intra_size),
+        wire_dtype=_wire_code(wire, x.dtype),
+        prescale=np.float64(prescale),
+        postscale=np.float64(postscale),
+        chunk_size=np.int64(chunk_size),
+    )
+
+
+def reduce_scatter(x, place: AxisPlacement, *, wire, prescale, postscale):
+    require()
+    shard = -(-x.size // place.size)
+    call = jax.ffi.ffi_call("jaxcomm_reduce_scatter", _result(x, (shard,), ()))
+    return call(
+        x,
+        _coords(place),
+        op_id=np.int64(next(_op_ids)),
+        nranks=np.int32(place.size),
+        wire_dtype=_wire_code(wire, x.dtype),
+        prescale=np.float64(prescale),
+        postscale=np.float64(postscale),
+    )
+
+
+def all_gather(x, place: AxisPlacement, *, wire):
+    require()
+    call = jax.ffi.ffi_call("jaxcomm_all_gather", _result(x, (place.size, x.size), place.axes))
+    return call(
+        x,
+        _coords(place),
+        op_id=np.int64(next(_op_ids)),
+        nranks=np.int32(place.size),
+        wire_dtype=_wire_code(wire, x.dtype),
+    )

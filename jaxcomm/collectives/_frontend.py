@@ -1,0 +1,91 @@
+"""What the three collective front ends share: option resolution, scales,
+and making the ffi backend differentiable like lax.psum."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxcomm.collectives import _checks, _ffi
+from jaxcomm.collectives._axes import normalize
+
+DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
+
+
+def resolve_backend(backend: str) -> str:
+    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    if backend == "auto":
+        # The CPU transport meets devices inside one process only.
+        single = jax.process_count() == 1
+        return "ffi" if single and _ffi.available() else "xla"
+    if backend == "ffi":
+        _ffi.require()
+    return backend
+
+
+def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
+    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
+    if algorithm == "hierarchical" and len(axes) != 2:
+        raise ValueError(
+            f"algorithm='hierarchical' needs axis_name=(inter_axis, intra_axis), got {axes!r}"
+        )
+    if algorithm == "direct" and backend != "ffi":
+        raise ValueError(
+            "algorithm='direct' is the shared-memory schedule of backend='ffi'; "
+            "with backend='xla' use 'auto' (lax.psum), 'ring' or 'hierarchical'"
+        )
+    if algorithm == "auto":
+        # On one host the direct schedule beats the ring (see bench/allreduce.py);
+        # XLA picks its own all-reduce algorithm.
+        return "direct" if backend == "ffi" else "psum"
+    return algorithm
+
+
+def scales(op: str, size: int, narrow_wire: bool) -> tuple[float, float]:
+    """(prescale, postscale). For a mean over a narrow wire, divide before the
+    cast so large N cannot overflow float16; otherwise divide at the end."""
+    _checks.check_choice("op", op, _checks.OPS)
+    if op == "sum":
+        return 1.0, 1.0
+    return (1.0 / size, 1.0) if narrow_wire else (1.0, 1.0 / size)
+
+
+def wire_for(dtype, wire_dtype):
+    wire = _checks.check_wire_dtype(wire_dtype)
+    return np.dtype(dtype) if wire is None else wire
+
+
+def is_vma_typed(x, axes: tuple) -> bool:
+    """True inside shard_map(check_vma=True), where psum's transpose is a
+    pvary (no communication); False under pmap / check_vma=False, where it is
+    another psum."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return mat is not None and frozenset(axes) <= mat.varying
+
+
+def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce):
+    """forward(x), differentiated the way lax.psum is in the same context.
+
+    forward is the linear map y = scale * sum_devices(x) (up to wire
+    rounding). Its transpose is, like psum's, a pvary times scale in
+    vma-typed shard_map, and the same allreduce elsewhere.
+    """
+    axes = normalize(axes)
+    vma = is_vma_typed(x, axes)
+
+    @jax.custom_vjp
+    def f(v):
+        return forward(v)
+
+    def fwd(v):
+        return forward(v), None
+
+    def bwd(_, ct):
+        if vma:
+            ct = lax.pcast(ct, axes, to="varying")
+            return ((ct * scale).astype(ct.dtype) if scale != 1.0 else ct,)
+        return (backward_allreduce(ct),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)

@@ -1,0 +1,158 @@
+"""allreduce: every device gets the sum (or mean) of all devices' arrays."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxcomm.collectives import _checks, _ffi, _xla
+from jaxcomm.collectives._axes import normalize, placement
+from jaxcomm.collectives._frontend import (
+    DEFAULT_CHUNK_SIZE,
+    linear_collective,
+    resolve_algorithm,
+    resolve_backend,
+    scales,
+    wire_for,
+)
+
+_XLA_ALGORITHMS = {
+    "psum": _xla.psum_allreduce,
+    "ring": _xla.ring_allreduce,
+    "hierarchical": _xla.hierarchical_allreduce,
+}
+
+
+def allreduce(
+    x,
+    axis_name,
+    *,
+    op: str = "sum",
+    algorithm: str = "auto",
+    wire_dtype=None,
+    backend: str = "auto",
+    chunk_mask=None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_chunks: int | None = None,
+):
+    """Sums (or averages) ``x`` over the devices of ``axis_name``.
+
+    Call it inside ``jax.shard_map`` or ``jax.pmap``. Every device gets
+    bitwise the same result, in ``x``'s dtype and shape.
+
+    Args:
+      x: array of float32, float16, bfloat16 or float64 (x64 on); any shape.
+      axis_name: a mesh or pmap axis name, or a tuple of names (reduce over
+        all of them). ``algorithm="hierarchical"`` takes
+        ``(inter_axis, intra_axis)``.
+      op: ``"sum"`` or ``"mean"``.
+      algorithm: ``"ring"`` (reduce-scatter then allgather, N-1 steps each),
+        ``"hierarchical"`` (reduce-scatter inside ``intra_axis``, allreduce of
+        the 1/L shard across ``inter_axis``, allgather inside ``intra_axis``),
+        ``"direct"`` (ffi on CPU: each rank reads its peers' memory), or
+        ``"auto"`` (ffi: ``"direct"``; xla: ``lax.psum``).
+      wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16`` or
+        ``jnp.bfloat16``. Values travel in the wire dtype and are added in
+        float32 (float64 for float64 input) at every hop. For ``op="mean"``
+        the input is scaled by 1/N before the cast, so float16 cannot
+        overflow for large N. Exception: the xla backend's ``lax.psum`` path
+        (``algorithm="auto"`` or ``"hierarchical"``) also adds in the wire
+        dtype, so its error grows with N.
+      backend: ``"xla"`` (JAX collectives; any platform, many processes),
+        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"`` (ffi when its
+        handler exists for this platform and there is one process).
+      chunk_mask: optional boolean array of shape ``(ceil(x.size /
+        chunk_size),)``, identical on every device. Only selected chunks of
+        the flattened ``x`` are reduced; the others come back as the local
+        values. With ffi only the selected chunks travel.
+      chunk_size: elements per chunk for ``chunk_mask``.
+      max_chunks: xla backend with a mask: pack at most this many selected
+        chunks (a static bound, so only they travel); ``None`` reduces all
+        chunks and selects afterwards. Chunks selected beyond the bound are
+        not reduced.
+
+    Returns:
+      The reduced array, same shape and dtype as ``x``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> f = jax.shard_map(lambda x: jaxcomm.allreduce(x, "data", op="mean"),
+      ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> x = jnp.arange(2.0 * jax.device_count())
+      >>> bool(jnp.allclose(jax.jit(f)(x), x.reshape(-1, 2).mean(0)))
+      True
+    """
+    x = jnp.asarray(x)
+    dtype = _checks.check_input_dtype("x", x.dtype)
+    axes = normalize(axis_name)
+    backend = resolve_backend(backend)
+    algorithm = resolve_algorithm(algorithm, backend, axes)
+    wire = wire_for(dtype, wire_dtype)
+    place = placement(axes)
+    prescale, postscale = scales(op, place.size, wire != dtype)
+    flat = x.reshape(-1)
+
+    if chunk_mask is not None:
+        chunk_mask = jnp.asarray(chunk_mask)
+        nchunks = _checks.check_chunking(chunk_mask, chunk_size, flat.size, max_chunks)
+        if backend == "ffi":
+            y = _ffi.allreduce(
+                flat,
+                place,
+                algorithm=algorithm,
+                wire=wire,
+                prescale=prescale,
+                postscale=postscale,
+                chunk_mask=chunk_mask,
+                chunk_size=chunk_size,
+                intra_size=_intra_size(place),
+            )
+        else:
+            reduce = _XLA_ALGORITHMS[algorithm]
+            y = _masked(
+                flat,
+                chunk_mask,
+                chunk_size,
+                nchunks,
+                max_chunks,
+                lambda v: reduce(v, place, wire, prescale, postscale),
+            )
+        return y.reshape(x.shape)
+
+    if backend == "xla":
+        y = _XLA_ALGORITHMS[algorithm](flat, place, wire, prescale, postscale)
+        return y.reshape(x.shape)
+
+    def forward(v):
+        return _ffi.allreduce(
+            v,
+            place,
+            algorithm=algorithm,
+            wire=wire,
+            prescale=prescale,
+            postscale=postscale,
+            intra_size=_intra_size(place),
+        )
+
+    y = linear_collective(forward, flat, axes, prescale * postscale, forward)
+    return y.reshape(x.shape)
+
+
+def _intra_size(place) -> int:
+    return place.shape[-1] if len(place.axes) == 2 else 1
+
+
+def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce):
+    """Reduces only the selected chunks of `flat` with the xla backend."""
+    n = flat.size
+    chunks = jnp.pad(flat, (0, nchunks * chunk_size - n)).reshape(nchunks, chunk_size)
+    if max_chunks is None:
+        reduced = reduce(chunks.reshape(-1)).reshape(nchunks, chunk_size)
+        out = jnp.where(mask[:, None], reduced, chunks)
+    else:
+        index = jnp.nonzero(mask, size=max_chunks, fill_value=nchunks)[0]
+        packed = chunks.at[index].get(mode="fill", fill_value=0)
+        reduced = reduce(packed.reshape(-1)).reshape(max_chunks, chunk_size)
+        out = chunks.at[index].set(reduced, mode="drop")
+    return out.reshape(-1)[:n]
