@@ -54,12 +54,14 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
   spec.postscale = postscale;
   const size_t n = inputs[0].size();
   for (const auto& a : inputs) {
-    if (static_cast<size_t>(a.size()) != n || static_cast<size_t>(a.itemsize()) != SizeOf(spec.input)) {
+    if (static_cast<size_t>(a.size()) != n ||
+        static_cast<size_t>(a.itemsize()) != SizeOf(spec.input)) {
       throw py::value_error("inputs must share size and match the dtype code");
     }
   }
   std::vector<py::array> outputs;
-  for (int r = 0; r < nranks; ++r) outputs.emplace_back(inputs[r].dtype(), std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
+  for (int r = 0; r < nranks; ++r)
+    outputs.emplace_back(inputs[r].dtype(), std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
   std::vector<const void*> in_ptrs;
   std::vector<void*> out_ptrs;
   for (int r = 0; r < nranks; ++r) {
@@ -74,8 +76,8 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
     for (int r = 0; r < nranks; ++r) {
       if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
       threads.emplace_back([&, r] {
-        const CallSite site{"allreduce", run, 0, r, 0, r, nranks, intra_size,
-                            static_cast<Algorithm>(algorithm), 0};
+        const CallSite site{
+            "allreduce", run, 0, r, 0, r, nranks, intra_size, static_cast<Algorithm>(algorithm), 0};
         status[r] = RunCollective(site, [&](Rings& rings) -> Status {
           Kernels& k = CpuKernels::Get();
           const auto alg = static_cast<Algorithm>(algorithm);
@@ -124,8 +126,9 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("reset_stats", &ResetStats);
   m.def("set_timeout", &SetTimeoutSeconds, py::arg("seconds"));
   m.def("get_timeout", &TimeoutSeconds);
-  m.def("live_slots", [] { return jaxcomm::cpu::Registry::Get().live_slots(); },
-        "Rendezvous slots currently alive (0 when no collective is running).");
+  m.def(
+      "live_slots", [] { return jaxcomm::cpu::Registry::Get().live_slots(); },
+      "Rendezvous slots currently alive (0 when no collective is running).");
   m.def("run_threads", &RunThreads, py::arg("inputs"), py::arg("dtype"), py::arg("algorithm"),
         py::arg("wire") = -1, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("intra_size") = 1, py::arg("absent") = std::vector<int>{});

@@ -78,7 +78,14 @@ def _coords(place: AxisPlacement):
 
 
 def _result(x, shape, axes):
-    return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=reduced_type(x, axes))
+    """Result type: like x, but replicated over `axes` (inside shard_map the
+    manual-axis type says so, and it needs the mesh from x's sharding)."""
+    mat = reduced_type(x, axes)
+    if mat is None or mat.empty:
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+    mesh = jax.typeof(x).sharding.mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * len(shape)))
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, manual_axis_type=mat)
 
 
 def allreduce(

@@ -83,7 +83,8 @@ def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce)
 
     def bwd(_, ct):
         if vma:
-            ct = lax.pcast(ct, axes, to="varying")
+            if not is_vma_typed(ct, axes):  # a result typed as replicated
+                ct = lax.pcast(ct, axes, to="varying")
             return ((ct * scale).astype(ct.dtype) if scale != 1.0 else ct,)
         return (backward_allreduce(ct),)
 

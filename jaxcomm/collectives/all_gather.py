@@ -29,7 +29,8 @@ def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
       >>> mesh = jax.make_mesh((n,), ("data",))
       >>> f = jax.shard_map(lambda x: jaxcomm.all_gather(x, "data"),
       ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
-      >>> jax.jit(f)(jnp.arange(1.0 * n)).shape == (n, 1)
+      >>> x = jax.device_put(jnp.arange(1.0 * n), jax.sharding.NamedSharding(mesh, P("data")))
+      >>> jax.jit(f)(x).shape == (n, 1)
       True
     """
     x = jnp.asarray(x)

@@ -79,7 +79,8 @@ def allreduce(
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
       >>> f = jax.shard_map(lambda x: jaxcomm.allreduce(x, "data", op="mean"),
       ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
-      >>> x = jnp.arange(2.0 * jax.device_count())
+      >>> x = jax.device_put(jnp.arange(2.0 * jax.device_count()),
+      ...                    jax.sharding.NamedSharding(mesh, P("data")))
       >>> bool(jnp.allclose(jax.jit(f)(x), x.reshape(-1, 2).mean(0)))
       True
     """
@@ -92,6 +93,10 @@ def allreduce(
     place = placement(axes)
     prescale, postscale = scales(op, place.size, wire != dtype)
     flat = x.reshape(-1)
+    if place.size == 1:
+        # Nothing travels, so nothing is rounded to the wire dtype; every
+        # backend and schedule agrees on this.
+        return _xla.from_wire(flat, dtype, prescale * postscale).reshape(x.shape)
 
     if chunk_mask is not None:
         chunk_mask = jnp.asarray(chunk_mask)
@@ -120,11 +125,12 @@ def allreduce(
             )
         return y.reshape(x.shape)
 
-    if backend == "xla":
-        y = _XLA_ALGORITHMS[algorithm](flat, place, wire, prescale, postscale)
-        return y.reshape(x.shape)
+    if backend == "xla" and algorithm == "psum":
+        return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(x.shape)
 
     def forward(v):
+        if backend == "xla":
+            return _XLA_ALGORITHMS[algorithm](v, place, wire, prescale, postscale)
         return _ffi.allreduce(
             v,
             place,
@@ -135,6 +141,8 @@ def allreduce(
             intra_size=_intra_size(place),
         )
 
+    # The ring's ppermutes and the custom calls would otherwise transpose to
+    # something other than psum's transpose; make all schedules agree with it.
     y = linear_collective(forward, flat, axes, prescale * postscale, forward)
     return y.reshape(x.shape)
 

@@ -34,7 +34,8 @@ def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: s
       >>> mesh = jax.make_mesh((n,), ("data",))
       >>> f = jax.shard_map(lambda x: jaxcomm.reduce_scatter(x, "data"),
       ...                   mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-      >>> x = jnp.ones((n * n,))  # each device holds n ones
+      >>> x = jax.device_put(jnp.ones((n * n,)),  # each device holds n ones
+      ...                    jax.sharding.NamedSharding(mesh, P("data")))
       >>> bool((jax.jit(f)(x) == n).all())
       True
     """

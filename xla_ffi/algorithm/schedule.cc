@@ -24,8 +24,8 @@ struct Staging {
 // Ring reduce-scatter over the n accumulator elements at `acc`. Step s sends
 // chunk r-s-1 to the right and adds chunk r-s-2 from the left, so after
 // size-1 steps chunk r holds the sum over the group.
-Status ReduceScatterPhase(Transport& t, Kernels& k, DType acc_type, DType wire, void* acc,
-                          size_t n, Staging staging) {
+Status ReduceScatterPhase(Transport& t, Kernels& k, DType acc_type, DType wire, void* acc, size_t n,
+                          Staging staging) {
   const int size = t.size(), r = t.rank();
   const int right = Mod(r + 1, size), left = Mod(r - 1, size);
   const size_t ws = SizeOf(wire);
@@ -99,8 +99,8 @@ size_t AllReduceScratchBytes(size_t n, const ReduceSpec& spec, int parts) {
   return (in_place ? 0 : Align(n * SizeOf(spec.acc()))) + 2 * Align(chunk) + Align(gather);
 }
 
-Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const void* in,
-                     void* out, size_t n, void* scratch) {
+Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const void* in, void* out,
+                     size_t n, void* scratch) {
   const DType acc = spec.acc();
   if (t.size() == 1) {  // Nothing travels, so nothing is rounded to the wire type.
     k.Convert(out, spec.input, in, spec.input, n, spec.prescale * spec.postscale);
@@ -117,9 +117,8 @@ Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const voi
   return Status::Ok();
 }
 
-Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k,
-                             const ReduceSpec& spec, const void* in, void* out, size_t n,
-                             void* scratch) {
+Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k, const ReduceSpec& spec,
+                             const void* in, void* out, size_t n, void* scratch) {
   const DType acc = spec.acc();
   if (intra.size() * inter.size() == 1) {
     k.Convert(out, spec.input, in, spec.input, n, spec.prescale * spec.postscale);
@@ -136,8 +135,8 @@ Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k,
   JAXCOMM_RETURN_IF_ERROR(
       ReduceScatterPhase(inter, k, acc, spec.wire, shard_acc, shard.size(), b.staging));
   const Range own = ChunkRange(shard.size(), inter.size(), inter.rank());
-  k.Convert(At(shard_gather, own.begin, spec.wire), spec.wire, At(shard_acc, own.begin, acc),
-            acc, own.size(), spec.postscale);
+  k.Convert(At(shard_gather, own.begin, spec.wire), spec.wire, At(shard_acc, own.begin, acc), acc,
+            own.size(), spec.postscale);
   JAXCOMM_RETURN_IF_ERROR(AllGatherPhase(inter, spec.wire, shard_gather, shard.size()));
   // 3. Inside the node again: every rank collects the node's shards.
   JAXCOMM_RETURN_IF_ERROR(AllGatherPhase(intra, spec.wire, b.gather, n));
@@ -168,8 +167,8 @@ size_t AllGatherScratchBytes(size_t m, DType input, DType wire, int group) {
   return wire == input ? 0 : Align(m * group * SizeOf(wire));
 }
 
-Status RingAllGather(Transport& t, Kernels& k, DType input, DType wire, const void* in,
-                     void* out, size_t m, void* scratch) {
+Status RingAllGather(Transport& t, Kernels& k, DType input, DType wire, const void* in, void* out,
+                     size_t m, void* scratch) {
   const size_t n = m * t.size();
   void* gather = wire == input ? out : scratch;
   // Own block also goes through the wire type so every rank holds the same bytes.

@@ -27,10 +27,10 @@ Range ChunkRange(size_t n, int parts, int c);
 
 // The types and scales of one reduction.
 struct ReduceSpec {
-  DType input;            // dtype of input and output
-  DType wire;             // dtype that travels
-  double prescale = 1.0;  // applied before the cast to the wire type
-  double postscale = 1.0; // applied to the reduced value before the output cast
+  DType input;             // dtype of input and output
+  DType wire;              // dtype that travels
+  double prescale = 1.0;   // applied before the cast to the wire type
+  double postscale = 1.0;  // applied to the reduced value before the output cast
   DType acc() const { return AccumulatorFor(input); }
 };
 
@@ -39,14 +39,13 @@ struct ReduceSpec {
 size_t AllReduceScratchBytes(size_t n, const ReduceSpec& spec, int max_group);
 
 // out = postscale * sum_ranks(prescale * in), ring over `t`.
-Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const void* in,
-                     void* out, size_t n, void* scratch);
+Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const void* in, void* out,
+                     size_t n, void* scratch);
 
 // Reduce-scatter inside `intra`, allreduce of the 1/L shard across `inter`,
 // allgather inside `intra`. Rank = inter.rank() * intra.size() + intra.rank().
-Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k,
-                             const ReduceSpec& spec, const void* in, void* out, size_t n,
-                             void* scratch);
+Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k, const ReduceSpec& spec,
+                             const void* in, void* out, size_t n, void* scratch);
 
 // out (ceil(n/N) elements) = this rank's chunk of the reduced, zero-padded input.
 size_t ReduceScatterScratchBytes(size_t n, const ReduceSpec& spec, int group);
@@ -56,7 +55,7 @@ Status RingReduceScatter(Transport& t, Kernels& k, const ReduceSpec& spec, const
 // out (N * m elements) = every rank's m-element input, in rank order; the
 // input travels as `wire` (a narrower wire rounds it).
 size_t AllGatherScratchBytes(size_t m, DType input, DType wire, int group);
-Status RingAllGather(Transport& t, Kernels& k, DType input, DType wire, const void* in,
-                     void* out, size_t m, void* scratch);
+Status RingAllGather(Transport& t, Kernels& k, DType input, DType wire, const void* in, void* out,
+                     size_t m, void* scratch);
 
 }  // namespace jaxcomm

@@ -8,23 +8,28 @@ namespace jaxcomm {
 namespace {
 
 // Element access by storage type; the 16-bit formats go through float32.
-template <DType T> struct Elem;
-template <> struct Elem<DType::kF32> {
+template <DType T>
+struct Elem;
+template <>
+struct Elem<DType::kF32> {
   using Storage = float;
   static float Load(Storage v) { return v; }
   static Storage Store(float v) { return v; }
 };
-template <> struct Elem<DType::kF64> {
+template <>
+struct Elem<DType::kF64> {
   using Storage = double;
   static double Load(Storage v) { return v; }
   static Storage Store(double v) { return v; }
 };
-template <> struct Elem<DType::kF16> {
+template <>
+struct Elem<DType::kF16> {
   using Storage = uint16_t;
   static float Load(Storage v) { return HalfToFloat(v); }
   static Storage Store(float v) { return FloatToHalf(v); }
 };
-template <> struct Elem<DType::kBF16> {
+template <>
+struct Elem<DType::kBF16> {
   using Storage = uint16_t;
   static float Load(Storage v) { return BFloatToFloat(v); }
   static Storage Store(float v) { return FloatToBFloat(v); }
@@ -63,20 +68,28 @@ void AccumulateTyped(void* acc, const void* src, size_t n) {
 template <DType D>
 void ConvertTo(void* dst, const void* src, DType src_type, size_t n, double scale) {
   switch (src_type) {
-    case DType::kF32: return ConvertTyped<D, DType::kF32>(dst, src, n, scale);
-    case DType::kF16: return ConvertTyped<D, DType::kF16>(dst, src, n, scale);
-    case DType::kBF16: return ConvertTyped<D, DType::kBF16>(dst, src, n, scale);
-    case DType::kF64: return ConvertTyped<D, DType::kF64>(dst, src, n, scale);
+    case DType::kF32:
+      return ConvertTyped<D, DType::kF32>(dst, src, n, scale);
+    case DType::kF16:
+      return ConvertTyped<D, DType::kF16>(dst, src, n, scale);
+    case DType::kBF16:
+      return ConvertTyped<D, DType::kBF16>(dst, src, n, scale);
+    case DType::kF64:
+      return ConvertTyped<D, DType::kF64>(dst, src, n, scale);
   }
 }
 
 template <DType A>
 void AccumulateInto(void* acc, const void* src, DType src_type, size_t n) {
   switch (src_type) {
-    case DType::kF32: return AccumulateTyped<A, DType::kF32>(acc, src, n);
-    case DType::kF16: return AccumulateTyped<A, DType::kF16>(acc, src, n);
-    case DType::kBF16: return AccumulateTyped<A, DType::kBF16>(acc, src, n);
-    case DType::kF64: return AccumulateTyped<A, DType::kF64>(acc, src, n);
+    case DType::kF32:
+      return AccumulateTyped<A, DType::kF32>(acc, src, n);
+    case DType::kF16:
+      return AccumulateTyped<A, DType::kF16>(acc, src, n);
+    case DType::kBF16:
+      return AccumulateTyped<A, DType::kBF16>(acc, src, n);
+    case DType::kF64:
+      return AccumulateTyped<A, DType::kF64>(acc, src, n);
   }
 }
 
@@ -85,15 +98,18 @@ void AccumulateInto(void* acc, const void* src, DType src_type, size_t n) {
 void CpuKernels::Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                          double scale) {
   switch (dst_type) {
-    case DType::kF32: return ConvertTo<DType::kF32>(dst, src, src_type, n, scale);
-    case DType::kF16: return ConvertTo<DType::kF16>(dst, src, src_type, n, scale);
-    case DType::kBF16: return ConvertTo<DType::kBF16>(dst, src, src_type, n, scale);
-    case DType::kF64: return ConvertTo<DType::kF64>(dst, src, src_type, n, scale);
+    case DType::kF32:
+      return ConvertTo<DType::kF32>(dst, src, src_type, n, scale);
+    case DType::kF16:
+      return ConvertTo<DType::kF16>(dst, src, src_type, n, scale);
+    case DType::kBF16:
+      return ConvertTo<DType::kBF16>(dst, src, src_type, n, scale);
+    case DType::kF64:
+      return ConvertTo<DType::kF64>(dst, src, src_type, n, scale);
   }
 }
 
-void CpuKernels::Accumulate(void* acc, DType acc_type, const void* src, DType src_type,
-                            size_t n) {
+void CpuKernels::Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) {
   // Accumulators are only ever float32 or float64 (AccumulatorFor).
   if (acc_type == DType::kF64) return AccumulateInto<DType::kF64>(acc, src, src_type, n);
   return AccumulateInto<DType::kF32>(acc, src, src_type, n);

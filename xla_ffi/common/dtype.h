@@ -15,10 +15,14 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
 
 inline size_t SizeOf(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
-    case DType::kF64: return 8;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
+    case DType::kF64:
+      return 8;
   }
   return 0;
 }
@@ -31,8 +35,16 @@ inline DType AccumulatorFor(DType input) {
   return input == DType::kF64 ? DType::kF64 : DType::kF32;
 }
 
-inline uint32_t FloatBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float BitsFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // IEEE binary16 -> binary32, exact.
 inline float HalfToFloat(uint16_t h) {
@@ -51,11 +63,11 @@ inline uint16_t FloatToHalf(float f) {
   const uint32_t x = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   const uint32_t a = x & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u;            // nan stays a (quiet) nan
-  if (a >= 0x477ff000u) return sign | 0x7c00u;           // >= 65520 rounds to inf
-  if (a < 0x38800000u) {                                 // below 2^-14: subnormal half
+  if (a > 0x7f800000u) return sign | 0x7e00u;   // nan stays a (quiet) nan
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (a < 0x38800000u) {                        // below 2^-14: subnormal half
     // Scale so one half-subnormal ulp is 1.0 and let the FPU round (RNE).
-    const float scaled = BitsFloat(a) * 16777216.0f;     // * 2^24, exact
+    const float scaled = BitsFloat(a) * 16777216.0f;  // * 2^24, exact
     return sign | static_cast<uint16_t>(std::nearbyint(scaled));
   }
   // Normal: rebias the exponent (127 -> 15) and round the 13 dropped bits.

@@ -17,8 +17,7 @@ class Kernels {
   virtual void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                        double scale) = 0;
   // acc[i] += acc_type(src[i]); acc_type is float32 or float64.
-  virtual void Accumulate(void* acc, DType acc_type, const void* src, DType src_type,
-                          size_t n) = 0;
+  virtual void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) = 0;
 };
 
 // Plain C++ loops; used by the CPU transport and by the test harness.
@@ -26,8 +25,7 @@ class CpuKernels final : public Kernels {
  public:
   void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                double scale) override;
-  void Accumulate(void* acc, DType acc_type, const void* src, DType src_type,
-                  size_t n) override;
+  void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) override;
   static CpuKernels& Get();
 };
 

@@ -25,10 +25,10 @@ class Status {
   std::string message_;
 };
 
-#define JAXCOMM_RETURN_IF_ERROR(expr)   \
-  do {                                  \
-    ::jaxcomm::Status _st = (expr);     \
-    if (!_st.ok()) return _st;          \
+#define JAXCOMM_RETURN_IF_ERROR(expr) \
+  do {                                \
+    ::jaxcomm::Status _st = (expr);   \
+    if (!_st.ok()) return _st;        \
   } while (0)
 
 }  // namespace jaxcomm

@@ -13,11 +13,12 @@ namespace jaxcomm::cpu {
 namespace {
 
 // Runs the chosen schedule on n contiguous elements.
-Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec,
-                        const void* in, void* out, size_t n) {
+Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec, const void* in,
+                        void* out, size_t n) {
   Kernels& k = CpuKernels::Get();
   switch (algorithm) {
-    case Algorithm::kDirect: return DirectAllReduce(*rings.flat, k, spec, in, out, n);
+    case Algorithm::kDirect:
+      return DirectAllReduce(*rings.flat, k, spec, in, out, n);
     case Algorithm::kRing: {
       std::unique_ptr<char[]> scratch(new char[AllReduceScratchBytes(n, spec, rings.flat->size())]);
       return RingAllReduce(*rings.flat, k, spec, in, out, n, scratch.get());
@@ -25,16 +26,14 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
     case Algorithm::kHierarchical: {
       std::unique_ptr<char[]> scratch(
           new char[AllReduceScratchBytes(n, spec, rings.intra->size())]);
-      return HierarchicalAllReduce(*rings.intra, *rings.inter, k, spec, in, out, n,
-                                   scratch.get());
+      return HierarchicalAllReduce(*rings.intra, *rings.inter, k, spec, in, out, n, scratch.get());
     }
   }
   return Status(Code::kInvalidArgument, "jaxcomm allreduce: unknown algorithm");
 }
 
 // The chunks a mask selects, as [begin, end) element ranges.
-std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size,
-                                  size_t n) {
+std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n) {
   std::vector<Range> ranges;
   for (size_t c = 0; c < nchunks; ++c) {
     if (mask[c]) ranges.push_back({c * chunk_size, std::min(n, (c + 1) * chunk_size)});
@@ -79,13 +78,19 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   size_t packed = 0;
   for (const Range& c : chunks) packed += c.size();
 
-  const CallSite site{
-      "allreduce", run_id.run_id, op_id, device, coords.typed_data()[0], coords.typed_data()[1],
-      nranks, intra_size, static_cast<Algorithm>(algorithm),
-      Fingerprint({1, static_cast<int64_t>(n), static_cast<int>(spec.input),
-                   static_cast<int>(spec.wire), algorithm, intra_size, chunk_size,
-                   masked ? static_cast<int64_t>(packed) : -1,
-                   masked ? static_cast<int64_t>(chunks.size()) : -1})};
+  const CallSite site{"allreduce",
+                      run_id.run_id,
+                      op_id,
+                      device,
+                      coords.typed_data()[0],
+                      coords.typed_data()[1],
+                      nranks,
+                      intra_size,
+                      static_cast<Algorithm>(algorithm),
+                      Fingerprint({1, static_cast<int64_t>(n), static_cast<int>(spec.input),
+                                   static_cast<int>(spec.wire), algorithm, intra_size, chunk_size,
+                                   masked ? static_cast<int64_t>(packed) : -1,
+                                   masked ? static_cast<int64_t>(chunks.size()) : -1})};
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
@@ -118,19 +123,19 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCpu, AllReduceImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()             // shared by one execution's devices
-                                  .Ctx<ffi::DeviceOrdinal>()     // for stats and messages
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
-                                  .Arg<ffi::Buffer<ffi::PRED>>() // chunk mask; empty = all
-                                  .Ret<ffi::AnyBuffer>()         // y, same shape and dtype
-                                  .Attr<int64_t>("op_id")        // call site, same on all devices
-                                  .Attr<int32_t>("algorithm")    // Algorithm code
-                                  .Attr<int32_t>("nranks")       // ranks on the reduced axes
-                                  .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
-                                  .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
-                                  .Attr<double>("prescale")      // before the wire cast
-                                  .Attr<double>("postscale")     // after the reduction
-                                  .Attr<int64_t>("chunk_size")); // mask granularity, elements
+                                  .Ctx<ffi::RunId>()          // shared by one execution's devices
+                                  .Ctx<ffi::DeviceOrdinal>()  // for stats and messages
+                                  .Arg<ffi::AnyBuffer>()      // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
+                                  .Ret<ffi::AnyBuffer>()          // y, same shape and dtype
+                                  .Attr<int64_t>("op_id")         // call site, same on all devices
+                                  .Attr<int32_t>("algorithm")     // Algorithm code
+                                  .Attr<int32_t>("nranks")        // ranks on the reduced axes
+                                  .Attr<int32_t>("intra_size")    // hierarchical: ranks per node
+                                  .Attr<int32_t>("wire_dtype")    // DType code, -1 = input dtype
+                                  .Attr<double>("prescale")       // before the wire cast
+                                  .Attr<double>("postscale")      // after the reduction
+                                  .Attr<int64_t>("chunk_size"));  // mask granularity, elements
 
 }  // namespace jaxcomm::cpu

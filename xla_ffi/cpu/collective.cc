@@ -28,8 +28,8 @@ Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& 
     return Status(Code::kInvalidArgument, "jaxcomm " + site.op + ": group size must be >= 1");
   }
   const Clock::time_point deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(TimeoutSeconds()));
+      Clock::now() +
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(TimeoutSeconds()));
   const CallSignature sig{site.op, site.fingerprint};
   Rings rings;
   if (site.algorithm == Algorithm::kHierarchical) {
@@ -43,9 +43,9 @@ Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& 
     const int node = site.rank / L, local = site.rank % L;
     JAXCOMM_RETURN_IF_ERROR(Connect({site.run_id, site.op_id, site.group, Ring::kIntra, node},
                                     local, L, site.device, sig, deadline, &rings.intra));
-    JAXCOMM_RETURN_IF_ERROR(
-        Connect({site.run_id, site.op_id, site.group, Ring::kInter, local}, node,
-                site.nranks / L, site.device, sig, deadline, &rings.inter));
+    JAXCOMM_RETURN_IF_ERROR(Connect({site.run_id, site.op_id, site.group, Ring::kInter, local},
+                                    node, site.nranks / L, site.device, sig, deadline,
+                                    &rings.inter));
   } else {
     JAXCOMM_RETURN_IF_ERROR(Connect({site.run_id, site.op_id, site.group, Ring::kFlat, 0},
                                     site.rank, site.nranks, site.device, sig, deadline,

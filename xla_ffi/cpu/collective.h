@@ -18,16 +18,16 @@ namespace jaxcomm::cpu {
 enum class Algorithm : int32_t { kRing = 0, kHierarchical = 1, kDirect = 2 };
 
 struct CallSite {
-  std::string op;         // for messages: "allreduce", ...
-  int64_t run_id;         // same on every device of one execution
-  int64_t op_id;          // same on every device for one call site
-  int32_t device;         // for stats and messages
-  int64_t group;          // index over the mesh axes not reduced
-  int32_t rank;           // position on the reduced axes
+  std::string op;  // for messages: "allreduce", ...
+  int64_t run_id;  // same on every device of one execution
+  int64_t op_id;   // same on every device for one call site
+  int32_t device;  // for stats and messages
+  int64_t group;   // index over the mesh axes not reduced
+  int32_t rank;    // position on the reduced axes
   int32_t nranks;
-  int32_t intra_size;     // hierarchical only: ranks per node
+  int32_t intra_size;  // hierarchical only: ranks per node
   Algorithm algorithm;
-  uint64_t fingerprint;   // everything the ranks must agree on
+  uint64_t fingerprint;  // everything the ranks must agree on
 };
 
 // The connected rings of one call: `flat` for ring/direct, `intra` and

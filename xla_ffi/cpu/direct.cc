@@ -17,8 +17,8 @@ constexpr size_t kBlock = 4096;
 
 }  // namespace
 
-Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec,
-                       const void* in, void* out, size_t n) {
+Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec, const void* in,
+                       void* out, size_t n) {
   const int size = t.size(), r = t.rank();
   if (size == 1) {
     k.Convert(out, spec.input, in, spec.input, n, spec.prescale * spec.postscale);

@@ -12,7 +12,7 @@
 
 namespace jaxcomm::cpu {
 
-Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec,
-                       const void* in, void* out, size_t n);
+Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec, const void* in,
+                       void* out, size_t n);
 
 }  // namespace jaxcomm::cpu

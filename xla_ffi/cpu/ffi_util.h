@@ -14,22 +14,31 @@ namespace ffi = xla::ffi;
 
 inline std::optional<DType> FromFfi(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: return DType::kF32;
-    case ffi::DataType::F16: return DType::kF16;
-    case ffi::DataType::BF16: return DType::kBF16;
-    case ffi::DataType::F64: return DType::kF64;
-    default: return std::nullopt;
+    case ffi::DataType::F32:
+      return DType::kF32;
+    case ffi::DataType::F16:
+      return DType::kF16;
+    case ffi::DataType::BF16:
+      return DType::kBF16;
+    case ffi::DataType::F64:
+      return DType::kF64;
+    default:
+      return std::nullopt;
   }
 }
 
 inline ffi::Error ToError(const Status& st) {
   switch (st.code()) {
-    case Code::kOk: return ffi::Error::Success();
-    case Code::kInvalidArgument: return ffi::Error::InvalidArgument(st.message());
+    case Code::kOk:
+      return ffi::Error::Success();
+    case Code::kInvalidArgument:
+      return ffi::Error::InvalidArgument(st.message());
     case Code::kDeadlineExceeded:
       return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, st.message());
-    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, st.message());
-    case Code::kInternal: return ffi::Error::Internal(st.message());
+    case Code::kAborted:
+      return ffi::Error(ffi::ErrorCode::kAborted, st.message());
+    case Code::kInternal:
+      return ffi::Error::Internal(st.message());
   }
   return ffi::Error::Internal(st.message());
 }

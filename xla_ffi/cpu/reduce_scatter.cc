@@ -30,8 +30,15 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x
     return ffi::Error::InvalidArgument("jaxcomm reduce_scatter: output must hold " +
                                        std::to_string(shard) + " elements");
   }
-  const CallSite site{"reduce_scatter", run_id.run_id, op_id, device, coords.typed_data()[0],
-                      coords.typed_data()[1], nranks, 1, Algorithm::kRing,
+  const CallSite site{"reduce_scatter",
+                      run_id.run_id,
+                      op_id,
+                      device,
+                      coords.typed_data()[0],
+                      coords.typed_data()[1],
+                      nranks,
+                      1,
+                      Algorithm::kRing,
                       Fingerprint({2, static_cast<int64_t>(n), static_cast<int>(spec.input),
                                    static_cast<int>(spec.wire)})};
   Status st = RunCollective(site, [&](Rings& rings) -> Status {
@@ -46,9 +53,9 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterCpu, ReduceScatterImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()             // shared by one execution's devices
-                                  .Ctx<ffi::DeviceOrdinal>()     // for stats and messages
-                                  .Arg<ffi::AnyBuffer>()         // x, any shape, n elements
+                                  .Ctx<ffi::RunId>()          // shared by one execution's devices
+                                  .Ctx<ffi::DeviceOrdinal>()  // for stats and messages
+                                  .Arg<ffi::AnyBuffer>()      // x, any shape, n elements
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
                                   .Ret<ffi::AnyBuffer>()         // y: ceil(n / nranks) elements
                                   .Attr<int64_t>("op_id")        // call site

@@ -48,7 +48,9 @@ void Slot::WakeAll() {
   { std::lock_guard<std::mutex> l(mu_); }
   cv_.notify_all();
   for (int r = 0; r < nranks_; ++r) {
-    { std::lock_guard<std::mutex> l(boxes_[r].mu); }
+    {
+      std::lock_guard<std::mutex> l(boxes_[r].mu);
+    }
     boxes_[r].cv.notify_all();
   }
 }
@@ -84,8 +86,8 @@ Status Slot::Barrier(int rank, Clock::time_point deadline) {
     cv_.notify_all();
     return Status::Ok();
   }
-  const bool done = cv_.wait_until(
-      l, deadline, [&] { return barrier_generation_ != generation || aborted_; });
+  const bool done =
+      cv_.wait_until(l, deadline, [&] { return barrier_generation_ != generation || aborted_; });
   if (aborted_) return Status(Code::kAborted, abort_reason_);
   if (done) return Status::Ok();
   std::vector<int> missing;
@@ -218,9 +220,9 @@ Status Registry::Join(const SlotKey& key, int rank, int nranks, int device,
     slot->fingerprint_ = sig.fingerprint;
     slot->fingerprint_rank_ = rank;
   } else if (slot->fingerprint_ != sig.fingerprint) {
-    const std::string msg = slot->Describe() + ": ranks " + std::to_string(slot->fingerprint_rank_) +
-                            " and " + std::to_string(rank) +
-                            " called it with different sizes, dtypes, options or chunk masks";
+    const std::string msg =
+        slot->Describe() + ": ranks " + std::to_string(slot->fingerprint_rank_) + " and " +
+        std::to_string(rank) + " called it with different sizes, dtypes, options or chunk masks";
     l.unlock();
     slot->Abort(msg);
     cv_.notify_all();
@@ -231,19 +233,21 @@ Status Registry::Join(const SlotKey& key, int rank, int nranks, int device,
     cv_.notify_all();
     return Status::Ok();
   }
-  const bool all = cv_.wait_until(
-      l, deadline, [&] { return slot->num_joined_ == nranks || slot->aborted(); });
+  const bool all =
+      cv_.wait_until(l, deadline, [&] { return slot->num_joined_ == nranks || slot->aborted(); });
   if (slot->aborted()) return slot->AbortedStatus();
   if (all) return Status::Ok();
   std::vector<int> missing, present_devices;
   for (int r = 0; r < nranks; ++r) {
-    if (!slot->joined_[r]) missing.push_back(r);
-    else present_devices.push_back(slot->devices_[r]);
+    if (!slot->joined_[r])
+      missing.push_back(r);
+    else
+      present_devices.push_back(slot->devices_[r]);
   }
   const std::string msg =
       slot->Describe() + ": ranks " + RankList(missing) + " of " + std::to_string(nranks) +
-      " did not arrive within " + std::to_string(Seconds(Clock::now() - start)) +
-      " s (devices " + RankList(present_devices) +
+      " did not arrive within " + std::to_string(Seconds(Clock::now() - start)) + " s (devices " +
+      RankList(present_devices) +
       " did); is the collective under a condition that differs between devices, or are "
       "several steps in flight?";
   l.unlock();

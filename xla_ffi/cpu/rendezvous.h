@@ -32,7 +32,7 @@ enum class Ring : int32_t { kFlat = 0, kIntra = 1, kInter = 2 };
 struct SlotKey {
   int64_t run_id;
   int64_t op_id;
-  int64_t group;   // index over the mesh axes that are not reduced
+  int64_t group;  // index over the mesh axes that are not reduced
   Ring ring;
   int64_t ring_index;
   bool operator<(const SlotKey& o) const {
@@ -43,8 +43,8 @@ struct SlotKey {
 
 // What a call promises about itself; ranks of one slot must agree on all of it.
 struct CallSignature {
-  std::string op;       // "allreduce", "reduce_scatter", ...
-  uint64_t fingerprint; // hash of sizes, dtypes, algorithm, mask count
+  std::string op;        // "allreduce", "reduce_scatter", ...
+  uint64_t fingerprint;  // hash of sizes, dtypes, algorithm, mask count
 };
 
 class Slot {

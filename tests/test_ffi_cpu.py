@@ -1,0 +1,158 @@
+"""The CPU FFI transport: peers that never arrive, leaks, mismatched calls.
+
+Some of these drive the C++ collective code through jaxcomm._ffi.run_threads
+(one std::thread per rank, no XLA), which can stage what an XLA program
+cannot: a rank that never shows up.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+from util import mesh_of, run_sharded
+
+import jaxcomm
+from jaxcomm import _ffi as ext
+
+RING, HIERARCHICAL, DIRECT = 0, 1, 2
+F32 = 0
+
+
+@pytest.fixture
+def short_timeout():
+    old = jaxcomm.get_ffi_timeout()
+    jaxcomm.set_ffi_timeout(0.5)
+    yield
+    jaxcomm.set_ffi_timeout(old)
+
+
+def test_default_timeout_is_60_seconds():
+    assert jaxcomm.get_ffi_timeout() == 60.0
+
+
+@pytest.mark.parametrize("algorithm,intra", [(RING, 1), (DIRECT, 1), (HIERARCHICAL, 2)])
+def test_threads_match_numpy(algorithm, intra):
+    rng = np.random.default_rng(algorithm)
+    xs = rng.standard_normal((8, 999)).astype(np.float32)
+    outs = ext.run_threads(list(xs), F32, algorithm, intra_size=intra)
+    for out in outs:
+        np.testing.assert_allclose(out, xs.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm,intra", [(RING, 1), (DIRECT, 1), (HIERARCHICAL, 2)])
+def test_absent_ranks_are_named_within_the_timeout(short_timeout, algorithm, intra):
+    xs = [np.ones(16, np.float32)] * 8
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ext.run_threads(xs, F32, algorithm, intra_size=intra, absent=[2, 5])
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0
+    message = str(info.value)
+    if algorithm == HIERARCHICAL:
+        # Ranks 2 and 5 are local ranks 0 and 1 of nodes 1 and 2.
+        assert re.search(r"ranks \[\d(, \d)*\] of \d did not arrive", message), message
+    else:
+        assert "ranks [2, 5] of 8 did not arrive" in message, message
+    assert ext.live_slots() == 0
+
+
+def test_no_slot_left_after_10000_calls():
+    xs = [np.full(3, r, np.float32) for r in range(4)]
+    for _ in range(10_000):
+        outs = ext.run_threads(xs, F32, DIRECT)
+    np.testing.assert_array_equal(outs[0], np.full(3, 6.0, np.float32))
+    assert ext.live_slots() == 0
+
+
+def test_no_slot_left_after_jitted_calls():
+    mesh = mesh_of((8,), ("i",))
+    xs = np.ones((8, 5), np.float32)
+    for _ in range(200):  # one step in flight at a time (run_sharded blocks)
+        out = run_sharded(lambda x: jaxcomm.allreduce(x, "i", backend="ffi"), mesh, xs)
+    np.testing.assert_array_equal(out[0], np.full(5, 8.0))
+    assert ext.live_slots() == 0
+
+
+def test_repeated_op_in_a_loop():
+    """The same call site runs many times in one execution (a scan): rounds
+    of one op id must not mix up, whatever order the devices arrive in."""
+    mesh = mesh_of((8,), ("i",))
+    xs = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+
+    def fn(x):
+        def body(carry, _):
+            carry = jaxcomm.allreduce(carry, "i", op="mean", backend="ffi")
+            return carry * 2.0 + jax.lax.axis_index("i"), None
+
+        return jax.lax.scan(body, x, None, length=20)[0]
+
+    out = run_sharded(fn, mesh, xs)
+    want = xs.astype(np.float64)
+    for _ in range(20):
+        want = want.mean(0, keepdims=True) * 2.0 + np.arange(8)[:, None]
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+def test_device_that_skips_the_collective_gives_an_error(short_timeout):
+    """A collective under a condition that differs between devices: the
+    devices that arrive fail with an error naming the ones that did not."""
+    mesh = mesh_of((4,), ("i",))
+
+    def fn(x):
+        rank = jax.lax.axis_index("i")
+
+        def reduced(v):
+            return jax.lax.pcast(jaxcomm.allreduce(v, "i", backend="ffi"), "i", to="varying")
+
+        return jax.lax.cond(rank < 2, reduced, lambda v: v, x)
+
+    with pytest.raises(Exception, match=r"ranks \[2, 3\] of 4 did not arrive"):
+        run_sharded(fn, mesh, np.ones((4, 3), np.float32))
+    assert ext.live_slots() == 0
+    # The transport is usable again afterwards.
+    out = run_sharded(
+        lambda x: jaxcomm.allreduce(x, "i", backend="ffi"), mesh, np.ones((4, 3), np.float32)
+    )
+    np.testing.assert_array_equal(out[0], np.full(3, 4.0))
+
+
+def test_mismatched_calls_are_detected():
+    """Ranks disagreeing on the chunk mask (which must be identical) fail
+    fast with an error instead of corrupting memory or hanging."""
+    mesh = mesh_of((2,), ("i",))
+
+    def fn(x):
+        rank = jax.lax.axis_index("i")
+        mask = jnp.array([True, False]) | (rank == 1)
+        return jaxcomm.allreduce(x, "i", backend="ffi", chunk_mask=mask, chunk_size=4)
+
+    with pytest.raises(Exception, match="different sizes, dtypes, options or chunk masks"):
+        run_sharded(fn, mesh, np.ones((2, 8), np.float32))
+    assert ext.live_slots() == 0
+
+
+def test_float16_wire_round_trip_is_exact_rne():
+    """The C++ float16 / bfloat16 casts agree with NumPy / ml_dtypes on every
+    16-bit pattern (through a 1-rank ... 2-rank ring whose partner sends 0)."""
+    import ml_dtypes
+
+    for wire, code in [(np.float16, 1), (np.dtype(ml_dtypes.bfloat16), 2)]:
+        bits = np.arange(2**16, dtype=np.uint16)
+        values = bits.view(wire).astype(np.float32)
+        finite = np.isfinite(values)
+        # Perturb by less than half an ulp in both directions: RNE must undo it.
+        xs = [values[finite] * np.float32(1 + 2**-13), np.zeros(finite.sum(), np.float32)]
+        outs = ext.run_threads(xs, F32, DIRECT, wire=code)
+        want = xs[0].astype(wire).astype(np.float32)
+        np.testing.assert_array_equal(outs[0], want)
+    assert reference.EPS  # reference module importable alongside
+
+
+def test_stall_timeout_applies_to_compiled_code(short_timeout):
+    assert jaxcomm.get_ffi_timeout() == 0.5
