@@ -58,8 +58,9 @@ def allreduce(
         (``algorithm="auto"`` or ``"hierarchical"``) also adds in the wire
         dtype, so its error grows with N.
       backend: ``"xla"`` (JAX collectives; any platform, many processes),
-        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"`` (ffi when its
-        handler exists for this platform and there is one process).
+        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except with a
+        ``chunk_mask`` where ffi (one process, handler present) sends only
+        the selected chunks.
       chunk_mask: optional boolean array of shape ``(ceil(x.size /
         chunk_size),)``, identical on every device. Only selected chunks of
         the flattened ``x`` are reduced; the others come back as the local
@@ -87,7 +88,7 @@ def allreduce(
     x = jnp.asarray(x)
     dtype = _checks.check_input_dtype("x", x.dtype)
     axes = normalize(axis_name)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, masked=chunk_mask is not None)
     algorithm = resolve_algorithm(algorithm, backend, axes)
     wire = wire_for(dtype, wire_dtype)
     place = placement(axes)

@@ -63,6 +63,7 @@ Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec
   // so the ranks do not all read rank 0 at once.
   for (int i = 1; i <= size; ++i) {
     const int c = (r + i) % size;
+    if (slot.PublishedB(c) == Offset(out, own.begin, spec.input)) continue;  // already in place
     const Range chunk = ChunkRange(n, size, c);
     k.Convert(Offset(out, chunk.begin, spec.input), spec.input, slot.PublishedB(c), wire,
               chunk.size(), 1.0);

@@ -1,0 +1,129 @@
+"""Helpers shared by the collective benchmarks in ``bench/``.
+
+Nothing here imports jax: a benchmark must set ``XLA_FLAGS`` before jax is
+imported, and importing this module first must not get in the way.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Parses ``"4096"``, ``"4K"``, ``"16M"``, ``"1G"`` (binary units; a
+    trailing ``"B"`` or ``"iB"`` is allowed) into bytes."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = s[-1:] if s[-1:] in _UNITS else ""
+    number = s[: len(s) - len(unit)]
+    try:
+        value = int(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 4K, 16M, 1G)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Parses a comma-separated list of sizes, e.g. ``"4K,1M,64M"``."""
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def format_size(nbytes: int) -> str:
+    """``4096 -> "4 KiB"``, ``1 << 20 -> "1 MiB"``; non-round sizes in bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def power_of_4_sizes(lo: int, hi: int) -> list[int]:
+    """``lo, 4*lo, 16*lo, ...`` up to and including ``hi``."""
+    sizes = []
+    size = lo
+    while size <= hi:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def bus_factor_allreduce(n: int) -> float:
+    """nccl-tests: allreduce busbw = algbw * 2(n-1)/n."""
+    return 2 * (n - 1) / n
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def reps_for(seconds_per_round: float, target_s: float, lo: int = 3, hi: int = 1000) -> int:
+    """Repetitions so that timing takes about ``target_s``, clamped to ``[lo, hi]``."""
+    if seconds_per_round <= 0:
+        return hi
+    return max(lo, min(hi, int(target_s / seconds_per_round)))
+
+
+def time_call(fn: Callable[[], object], block: Callable[[object], object]) -> float:
+    """Wall time of one ``fn()`` including waiting for its result; the result
+    is dropped before returning so its buffers can be freed."""
+    t0 = time.perf_counter()
+    out = fn()
+    block(out)
+    elapsed = time.perf_counter() - t0
+    del out
+    return elapsed
+
+
+def copy_bandwidth(
+    threads: int | None = None,
+    buffer_bytes: int = 128 << 20,
+    copies: int = 4,
+    reps: int = 10,
+) -> tuple[float, int]:
+    """Measures the host's multi-threaded memory copy bandwidth.
+
+    Each of ``threads`` Python threads owns a float32 source and destination
+    of ``buffer_bytes`` each (far larger than any cache) and ``np.copyto``s
+    one into the other ``copies`` times; numpy releases the GIL while
+    copying, so the threads run in parallel. Bandwidth counts the bytes read
+    plus the bytes written, ``2 * threads * copies * buffer_bytes``, over the
+    wall time from a common start to the last thread's end. Returns the best
+    of ``reps`` repetitions in bytes/s, and the thread count used
+    (default: all CPUs).
+    """
+    threads = threads or os.cpu_count() or 1
+    count = buffer_bytes // 4
+    # np.full writes every page, so no page faults land in the timed region.
+    buffers = [
+        (np.full(count, 1.0, np.float32), np.full(count, 2.0, np.float32)) for _ in range(threads)
+    ]
+
+    def run_once() -> float:
+        barrier = threading.Barrier(threads + 1)
+
+        def worker(src: np.ndarray, dst: np.ndarray) -> None:
+            barrier.wait()
+            for _ in range(copies):
+                np.copyto(dst, src)
+
+        workers = [threading.Thread(target=worker, args=pair) for pair in buffers]
+        for w in workers:
+            w.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - t0
+
+    run_once()  # warm up: threads, allocator, TLB
+    best = min(run_once() for _ in range(reps))
+    moved = 2 * threads * copies * buffer_bytes
+    return moved / best, threads
