@@ -67,3 +67,11 @@ def reduced_type(x, axes: tuple):
     if mat is None:
         return None
     return mat.update(varying=mat.varying - frozenset(axes))
+
+
+def is_vma_typed(x, axes: tuple) -> bool:
+    """True inside shard_map(check_vma=True), where psum's transpose is a
+    pvary (no communication); False under pmap / check_vma=False, where it is
+    another psum."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return mat is not None and frozenset(axes) <= mat.varying

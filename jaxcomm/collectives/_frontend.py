@@ -3,12 +3,15 @@ and making the ffi backend differentiable like lax.psum."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxcomm.collectives import _checks, _ffi
-from jaxcomm.collectives._axes import normalize
+from jaxcomm.collectives._axes import AxisPlacement, is_vma_typed, normalize, placement
 
 DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
 
@@ -60,14 +63,6 @@ def wire_for(dtype, wire_dtype):
     return np.dtype(dtype) if wire is None else wire
 
 
-def is_vma_typed(x, axes: tuple) -> bool:
-    """True inside shard_map(check_vma=True), where psum's transpose is a
-    pvary (no communication); False under pmap / check_vma=False, where it is
-    another psum."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return mat is not None and frozenset(axes) <= mat.varying
-
-
 def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce):
     """forward(x), differentiated the way lax.psum is in the same context.
 
@@ -94,3 +89,28 @@ def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce)
 
     f.defvjp(fwd, bwd)
     return f(x)
+
+
+class Prepared(NamedTuple):
+    """A collective call after validation, flattened and placed."""
+
+    flat: jax.Array  # the input as 1-D
+    dtype: np.dtype  # input (and output) dtype
+    wire: np.dtype  # what travels
+    backend: str  # "xla" or "ffi"
+    place: AxisPlacement
+    prescale: float
+    postscale: float
+
+
+def prepare(x, axis_name, *, op: str, wire_dtype, backend: str, masked: bool = False):
+    """Validates the arguments every collective shares, in the order users
+    see errors: dtype, axes, backend, wire dtype, op."""
+    x = jnp.asarray(x)
+    dtype = _checks.check_input_dtype("x", x.dtype)
+    axes = normalize(axis_name)
+    backend = resolve_backend(backend, masked=masked)
+    wire = wire_for(dtype, wire_dtype)
+    place = placement(axes)
+    prescale, postscale = scales(op, place.size, wire != dtype)
+    return Prepared(x.reshape(-1), dtype, wire, backend, place, prescale, postscale)

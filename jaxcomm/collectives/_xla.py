@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm.collectives._axes import AxisPlacement
+from jaxcomm.collectives._axes import AxisPlacement, is_vma_typed
 
 
 def accumulator(dtype) -> jnp.dtype:
@@ -86,4 +86,6 @@ def reduce_scatter(x, place: AxisPlacement, wire, prescale, postscale):
 
 
 def all_gather(x, place: AxisPlacement, wire):
-    return lax.all_gather(x.astype(wire), place.axes, tiled=False).astype(x.dtype)
+    # Typed as replicated over the axes, like the ffi backend's result.
+    to = "invarying" if is_vma_typed(x, place.axes) else "varying"
+    return lax.all_gather(x.astype(wire), place.axes, tiled=False, to=to).astype(x.dtype)

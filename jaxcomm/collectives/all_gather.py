@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomm.collectives import _checks, _ffi, _xla
-from jaxcomm.collectives._axes import normalize, placement
-from jaxcomm.collectives._frontend import resolve_backend, wire_for
+from jaxcomm.collectives import _ffi, _xla
+from jaxcomm.collectives._frontend import prepare
 
 
 def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
@@ -33,15 +32,9 @@ def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
       >>> jax.jit(f)(x).shape == (n, 1)
       True
     """
-    x = jnp.asarray(x)
-    dtype = _checks.check_input_dtype("x", x.dtype)
-    axes = normalize(axis_name)
-    backend = resolve_backend(backend)
-    wire = wire_for(dtype, wire_dtype)
-    place = placement(axes)
-    flat = x.reshape(-1)
-    if backend == "xla":
-        out = _xla.all_gather(flat, place, wire)
+    c = prepare(x, axis_name, op="sum", wire_dtype=wire_dtype, backend=backend)
+    if c.backend == "xla":
+        out = _xla.all_gather(c.flat, c.place, c.wire)
     else:
-        out = _ffi.all_gather(flat, place, wire=wire)
-    return out.reshape((place.size, *x.shape))
+        out = _ffi.all_gather(c.flat, c.place, wire=c.wire)
+    return out.reshape((c.place.size, *jnp.shape(x)))

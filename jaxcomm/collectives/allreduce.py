@@ -5,14 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxcomm.collectives import _checks, _ffi, _xla
-from jaxcomm.collectives._axes import normalize, placement
 from jaxcomm.collectives._frontend import (
     DEFAULT_CHUNK_SIZE,
     linear_collective,
+    prepare,
     resolve_algorithm,
-    resolve_backend,
-    scales,
-    wire_for,
 )
 
 _XLA_ALGORITHMS = {
@@ -85,19 +82,17 @@ def allreduce(
       >>> bool(jnp.allclose(jax.jit(f)(x), x.reshape(-1, 2).mean(0)))
       True
     """
-    x = jnp.asarray(x)
-    dtype = _checks.check_input_dtype("x", x.dtype)
-    axes = normalize(axis_name)
-    backend = resolve_backend(backend, masked=chunk_mask is not None)
+    c = prepare(
+        x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend, masked=chunk_mask is not None
+    )
+    flat, dtype, wire, backend, place, prescale, postscale = c
+    axes = place.axes
     algorithm = resolve_algorithm(algorithm, backend, axes)
-    wire = wire_for(dtype, wire_dtype)
-    place = placement(axes)
-    prescale, postscale = scales(op, place.size, wire != dtype)
-    flat = x.reshape(-1)
+    shape = jnp.shape(x)
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every
         # backend and schedule agrees on this.
-        return _xla.from_wire(flat, dtype, prescale * postscale).reshape(x.shape)
+        return _xla.from_wire(flat, dtype, prescale * postscale).reshape(shape)
 
     if chunk_mask is not None:
         chunk_mask = jnp.asarray(chunk_mask)
@@ -124,10 +119,10 @@ def allreduce(
                 max_chunks,
                 lambda v: reduce(v, place, wire, prescale, postscale),
             )
-        return y.reshape(x.shape)
+        return y.reshape(shape)
 
     if backend == "xla" and algorithm == "psum":
-        return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(x.shape)
+        return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(shape)
 
     def forward(v):
         if backend == "xla":
@@ -145,7 +140,7 @@ def allreduce(
     # The ring's ppermutes and the custom calls would otherwise transpose to
     # something other than psum's transpose; make all schedules agree with it.
     y = linear_collective(forward, flat, axes, prescale * postscale, forward)
-    return y.reshape(x.shape)
+    return y.reshape(shape)
 
 
 def _intra_size(place) -> int:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from jaxcomm.collectives import _checks, _ffi, _xla
-from jaxcomm.collectives._axes import normalize, placement
-from jaxcomm.collectives._frontend import resolve_backend, scales, wire_for
+from jaxcomm.collectives import _ffi, _xla
+from jaxcomm.collectives._frontend import prepare
 
 
 def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: str = "auto"):
@@ -39,14 +36,9 @@ def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: s
       >>> bool((jax.jit(f)(x) == n).all())
       True
     """
-    x = jnp.asarray(x)
-    dtype = _checks.check_input_dtype("x", x.dtype)
-    axes = normalize(axis_name)
-    backend = resolve_backend(backend)
-    wire = wire_for(dtype, wire_dtype)
-    place = placement(axes)
-    prescale, postscale = scales(op, place.size, wire != dtype)
-    flat = x.reshape(-1)
-    if backend == "xla":
-        return _xla.reduce_scatter(flat, place, wire, prescale, postscale)
-    return _ffi.reduce_scatter(flat, place, wire=wire, prescale=prescale, postscale=postscale)
+    c = prepare(x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend)
+    if c.backend == "xla":
+        return _xla.reduce_scatter(c.flat, c.place, c.wire, c.prescale, c.postscale)
+    return _ffi.reduce_scatter(
+        c.flat, c.place, wire=c.wire, prescale=c.prescale, postscale=c.postscale
+    )
