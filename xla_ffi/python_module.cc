@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "algorithm/schedule.h"
+#include "cpu/allreduce.h"
 #include "cpu/collective.h"
-#include "cpu/direct.h"
 #include "cpu/handlers.h"
 #include "cpu/rendezvous.h"
 #include "cpu/stats.h"
@@ -78,19 +78,8 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
       threads.emplace_back([&, r] {
         const CallSite site{
             "allreduce", run, 0, r, 0, r, nranks, intra_size, static_cast<Algorithm>(algorithm), 0};
-        status[r] = RunCollective(site, [&](Rings& rings) -> Status {
-          Kernels& k = CpuKernels::Get();
-          const auto alg = static_cast<Algorithm>(algorithm);
-          if (alg == Algorithm::kDirect) {
-            return DirectAllReduce(*rings.flat, k, spec, in_ptrs[r], out_ptrs[r], n);
-          }
-          const int parts = alg == Algorithm::kHierarchical ? intra_size : nranks;
-          std::unique_ptr<char[]> scratch(new char[AllReduceScratchBytes(n, spec, parts)]);
-          if (alg == Algorithm::kHierarchical) {
-            return HierarchicalAllReduce(*rings.intra, *rings.inter, k, spec, in_ptrs[r],
-                                         out_ptrs[r], n, scratch.get());
-          }
-          return RingAllReduce(*rings.flat, k, spec, in_ptrs[r], out_ptrs[r], n, scratch.get());
+        status[r] = RunCollective(site, [&](Rings& rings) {
+          return ReduceContiguous(rings, site.algorithm, spec, in_ptrs[r], out_ptrs[r], n);
         });
       });
     }

@@ -1,5 +1,7 @@
 // allreduce for the CPU FFI backend: ring, hierarchical or direct, optionally
 // restricted to the chunks a mask selects (pack, reduce, unpack in one call).
+#include "cpu/allreduce.h"
+
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -10,9 +12,7 @@
 #include "cpu/ffi_util.h"
 
 namespace jaxcomm::cpu {
-namespace {
 
-// Runs the chosen schedule on n contiguous elements.
 Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec, const void* in,
                         void* out, size_t n) {
   Kernels& k = CpuKernels::Get();
@@ -31,6 +31,8 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
   }
   return Status(Code::kInvalidArgument, "jaxcomm allreduce: unknown algorithm");
 }
+
+namespace {
 
 // The chunks a mask selects, as [begin, end) element ranges.
 std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n) {
