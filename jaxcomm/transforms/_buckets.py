@@ -1,0 +1,82 @@
+"""The fusion plan (lazy allreduce): which gradient leaves share one collective.
+
+Backward produces the last layers' gradients first, so leaves are taken in
+reverse tree order and packed greedily: a bucket closes as soon as it holds at
+least ``bucket_bytes`` bytes. Leaves of different dtypes never share a bucket
+(a bucket is one flat array); each dtype keeps its own open bucket. Buckets are
+listed in the order they close, which is the order they become ready.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+
+def check_bucket_bytes(bucket_bytes) -> float:
+    """Validates the fusion threshold θ: 0, a positive number, or math.inf."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, float)):
+        raise TypeError(f"bucket_bytes={bucket_bytes!r} must be a number of bytes or math.inf")
+    if math.isnan(bucket_bytes) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 0 (0: one collective per leaf)")
+    return float(bucket_bytes)
+
+
+def plan_buckets(
+    nbytes: Sequence[int],
+    bucket_bytes: float,
+    *,
+    kinds: Sequence[Hashable] | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """Groups leaves into buckets of at least ``bucket_bytes`` bytes.
+
+    Args:
+      nbytes: bytes of each leaf, in tree order. Leaves of zero bytes need no
+        communication and are in no bucket.
+      bucket_bytes: the threshold θ. 0 gives one bucket per leaf, ``math.inf``
+        one bucket per kind.
+      kinds: optional key per leaf (e.g. its dtype); only leaves of one kind
+        share a bucket.
+
+    Returns:
+      Buckets in the order they close; each is a tuple of leaf indices in the
+      order they were added (reverse tree order).
+
+    Examples:
+      >>> plan_buckets([4, 4, 4, 4], 8)
+      ((3, 2), (1, 0))
+      >>> plan_buckets([4, 4, 4], 0)
+      ((2,), (1,), (0,))
+      >>> plan_buckets([4, 0, 4], float("inf"))
+      ((2, 0),)
+      >>> plan_buckets([4, 2, 4, 2], 8, kinds=["f32", "f16", "f32", "f16"])
+      ((2, 0), (3, 1))
+    """
+    theta = check_bucket_bytes(bucket_bytes)
+    if kinds is None:
+        kinds = [None] * len(nbytes)
+    if len(kinds) != len(nbytes):
+        raise ValueError(f"kinds has {len(kinds)} entries for {len(nbytes)} leaves")
+    closed: list[tuple[int, ...]] = []
+    open_: dict[Hashable, tuple[list[int], int]] = {}
+    last_added: dict[Hashable, int] = {}
+    for step, i in enumerate(reversed(range(len(nbytes)))):
+        size = int(nbytes[i])
+        if size < 0:
+            raise ValueError(f"leaf {i} has {size} bytes")
+        if size == 0:
+            continue
+        members, total = open_.get(kinds[i], ([], 0))
+        members.append(i)
+        total += size
+        last_added[kinds[i]] = step
+        if total >= theta:
+            closed.append(tuple(members))
+            open_.pop(kinds[i], None)
+        else:
+            open_[kinds[i]] = (members, total)
+    # Buckets still open are ready once backward is done; flush them in the
+    # order their last leaf arrived.
+    for kind in sorted(open_, key=last_added.__getitem__):
+        closed.append(tuple(open_[kind][0]))
+    return tuple(closed)
