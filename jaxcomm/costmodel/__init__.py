@@ -1,0 +1,48 @@
+"""jaxcomm.costmodel: an alpha-beta model of the cluster, a step simulator and a planner.
+
+* :mod:`~jaxcomm.costmodel.alphabeta`: ring, hierarchical and tree allreduce times.
+* :class:`Cluster`: GPUs per node, nodes, links; ``allreduce_time(nbytes, algorithm=...)``.
+* :func:`simulate`: iteration time, throughput, speedup and scaling efficiency of
+  one data-parallel step under jaxcomm's settings (fusion, wire dtype, overlap,
+  double buffering, chunk-sparse density).
+* :mod:`~jaxcomm.costmodel.profiles`: ResNet-50 and AlexNet-BN profiles from Flax models.
+* :func:`fit_alpha_beta`, :func:`measure_allreduce`, :func:`fit_cluster`: fit α and β
+  to allreduce times measured on the live mesh.
+* :func:`plan`: recommends bucket size, algorithm and wire dtype with the predicted
+  gain of each.
+"""
+
+from jaxcomm.costmodel.alphabeta import (
+    hierarchical_allreduce_time,
+    ring_allreduce_time,
+    tree_allreduce_time,
+)
+from jaxcomm.costmodel.cluster import Cluster, cpu_host, nvlink_ethernet, pcie_infiniband
+from jaxcomm.costmodel.fit import LinkFit, fit_alpha_beta, fit_cluster, measure_allreduce
+from jaxcomm.costmodel.plan import Plan, plan
+from jaxcomm.costmodel.profiles import ModelProfile, alexnet_bn, resnet50
+from jaxcomm.costmodel.simulator import GradientTensor, Result, Settings, Workload, simulate
+
+__all__ = [
+    "Cluster",
+    "GradientTensor",
+    "LinkFit",
+    "ModelProfile",
+    "Plan",
+    "Result",
+    "Settings",
+    "Workload",
+    "alexnet_bn",
+    "cpu_host",
+    "fit_alpha_beta",
+    "fit_cluster",
+    "hierarchical_allreduce_time",
+    "measure_allreduce",
+    "nvlink_ethernet",
+    "pcie_infiniband",
+    "plan",
+    "resnet50",
+    "ring_allreduce_time",
+    "simulate",
+    "tree_allreduce_time",
+]
