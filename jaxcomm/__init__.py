@@ -9,10 +9,26 @@ running as JAX collectives (``backend="xla"``) or as XLA FFI custom calls
 from jaxcomm._runtime import ffi_stats, get_ffi_timeout, reset_ffi_stats, set_ffi_timeout
 from jaxcomm.collectives import all_gather, allreduce, reduce_scatter
 from jaxcomm.collectives._ffi import available as ffi_available
+from jaxcomm.transforms import (
+    AllReduceGradientsState,
+    CommStats,
+    PerDevice,
+    allreduce_gradients,
+    get_stats,
+    plan_buckets,
+    state_specs,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduceGradientsState",
+    "CommStats",
+    "PerDevice",
+    "allreduce_gradients",
+    "get_stats",
+    "plan_buckets",
+    "state_specs",
     "all_gather",
     "allreduce",
     "ffi_available",

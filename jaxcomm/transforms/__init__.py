@@ -1,5 +1,20 @@
 """Optax gradient transformations that communicate: dense allreduce and chunk-sparse."""
 
 from jaxcomm.transforms._buckets import plan_buckets
+from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
+from jaxcomm.transforms.allreduce_gradients import (
+    DEFAULT_BUCKET_BYTES,
+    AllReduceGradientsState,
+    allreduce_gradients,
+)
 
-__all__ = ["plan_buckets"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "AllReduceGradientsState",
+    "CommStats",
+    "PerDevice",
+    "allreduce_gradients",
+    "get_stats",
+    "plan_buckets",
+    "state_specs",
+]

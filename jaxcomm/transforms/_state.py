@@ -1,0 +1,146 @@
+"""What the transforms keep between steps: shared state, per-device state, stats.
+
+Most of a transform's state is the same on every device (reduced gradients,
+chunk masks, counters). Residuals are not: they hold what *this* device has
+not sent yet. Such leaves are wrapped in :class:`PerDevice` and carry a
+leading axis with one row per device, so that under ``shard_map`` they are
+ordinary arrays sharded over the reduction axes (see :func:`state_specs`),
+and a checkpoint holds every device's residual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.collectives import _axes
+
+
+class PerDevice(NamedTuple):
+    """A subtree whose leaves differ per device; each has a leading device axis."""
+
+    value: Any
+
+
+class CommStats(NamedTuple):
+    """What one step communicated, as seen by this device; log it freely.
+
+    Attributes:
+      payload_bytes: bytes this device put into its collectives (elements x
+        wire itemsize), summed over them.
+      bytes_sent: bytes this device sends on the wire under a
+        bandwidth-optimal schedule: 2(N-1)/N x payload for a flat allreduce,
+        2(L-1)/L x payload + 2(M-1)/M x payload/L for hierarchical (the
+        nccl-tests busbw convention; exact for the ring when N divides the
+        size).
+      collectives: number of allreduce calls this step.
+      density: fraction of the gradient exchanged (1 for dense).
+      nonfinite: the reduced gradient held an inf or NaN.
+    """
+
+    payload_bytes: jax.Array
+    bytes_sent: jax.Array
+    collectives: jax.Array
+    density: jax.Array
+    nonfinite: jax.Array
+
+
+def empty_stats() -> CommStats:
+    return CommStats(
+        payload_bytes=jnp.float32(0),
+        bytes_sent=jnp.float32(0),
+        collectives=jnp.int32(0),
+        density=jnp.float32(1),
+        nonfinite=jnp.bool_(False),
+    )
+
+
+def get_stats(opt_state) -> CommStats:
+    """The :class:`CommStats` of the (only) jaxcomm transform in ``opt_state``.
+
+    Works on the state of an ``optax.chain`` or any nesting of it.
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CommStats))
+        if isinstance(s, CommStats)
+    ]
+    if len(found) != 1:
+        raise ValueError(f"expected one jaxcomm transform's stats in the state, found {len(found)}")
+    return found[0]
+
+
+def wire_bytes(payload: jax.Array, shape: tuple, algorithm: str) -> jax.Array:
+    """Per-device bytes on the wire for an allreduce of `payload` bytes over a
+    mesh of `shape` (the reduced axes), as in CommStats.bytes_sent."""
+    payload = jnp.asarray(payload, jnp.float32)
+    if algorithm == "hierarchical":
+        inter, intra = shape
+        return payload * (2 * (intra - 1) / intra + 2 * (inter - 1) / (inter * intra))
+    n = math.prod(shape)
+    return payload * (2 * (n - 1) / n)
+
+
+def devices_on(axis_name) -> tuple[int, bool]:
+    """(rows a PerDevice leaf gets at init, whether the axes are bound here).
+
+    Inside shard_map or pmap each device builds its own row; outside, the
+    active mesh (``jax.set_mesh``) says how many devices there are.
+    """
+    axes = _axes.normalize(axis_name)
+    bound = _axes.bound_axes()
+    if all(a in bound for a in axes):
+        return 1, True
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    missing = [a for a in axes if a not in sizes]
+    if missing:
+        raise ValueError(
+            f"this transform keeps a per-device residual, so init needs the size of axes "
+            f"{missing}: call init inside jax.shard_map / jax.pmap, or under "
+            "`with jax.set_mesh(mesh):`"
+        )
+    return math.prod(sizes[a] for a in axes), False
+
+
+def per_device_zeros(tree, rows: int) -> PerDevice:
+    return PerDevice(jax.tree.map(lambda x: jnp.zeros((rows, *jnp.shape(x)), x.dtype), tree))
+
+
+def local(per_device: PerDevice):
+    """This device's row of a PerDevice subtree (inside shard_map / pmap)."""
+    return jax.tree.map(lambda x: x[0], per_device.value)
+
+
+def as_row(tree) -> PerDevice:
+    return PerDevice(jax.tree.map(lambda x: x[None], tree))
+
+
+def state_specs(opt_state, axis_name):
+    """PartitionSpecs for carrying ``opt_state`` through ``jax.shard_map``.
+
+    Shared leaves get ``P()``; leaves inside :class:`PerDevice` get
+    ``P(axis_name)`` (their leading axis has one row per device).
+
+    Examples:
+      >>> import jax, optax, jaxcomm
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tx = jaxcomm.allreduce_gradients("data", wire_dtype="float16", error_feedback=True)
+      >>> with jax.set_mesh(mesh):
+      ...     state = tx.init({"w": jax.numpy.zeros(3)})
+      >>> specs = jaxcomm.state_specs(state, "data")
+      >>> specs.residual.value["w"], specs.buffer
+      (P('data',), ())
+    """
+    spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
+
+    def one(node):
+        if isinstance(node, PerDevice):
+            return PerDevice(jax.tree.map(lambda _: spec, node.value))
+        return P()
+
+    return jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, PerDevice))

@@ -1,0 +1,353 @@
+"""allreduce_gradients against NumPy references on 8 CPU devices, 20 steps each."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from tests.reference import direct_float32, error_bound
+from tests.transform_harness import (
+    assert_same_on_all_devices,
+    optax_on_mean,
+    random_grads,
+    run_steps,
+)
+from tests.util import mesh_of
+
+STEPS = 20
+# Leaves of mixed sizes, including a scalar, a size not divisible by 8, and
+# one smaller than the number of devices.
+SHAPES = {"a_bias": (5,), "b_kernel": (33, 17), "c_scalar": (), "d_big": (4096,), "e_odd": (3,)}
+
+
+@pytest.fixture
+def mesh():
+    return mesh_of((8,), ("data",))
+
+
+def _params(shapes=SHAPES):
+    rng = np.random.default_rng(1)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def _grads(seed=0, steps=STEPS, shapes=SHAPES, n=8, scale=1.0):
+    return random_grads(np.random.default_rng(seed), shapes, n, steps, scale)
+
+
+def _flat_reverse(tree) -> np.ndarray:
+    """The single bucket of bucket_bytes=inf: leaves in reverse tree order."""
+    leaves = jax.tree.leaves(tree)
+    return np.concatenate([np.reshape(x, (x.shape[0], -1)) for x in reversed(leaves)], axis=1)
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_dense_equals_optax_on_pmean_gradients(mesh, backend):
+    grads = _grads()
+    opt = optax.adam(1e-2)
+    tx = optax.chain(jaxcomm.allreduce_gradients("data", backend=backend), opt)
+    _, params, state = run_steps(tx, _params(), grads, mesh)
+    want, want_state = optax_on_mean(opt, _params(), grads)
+    for k in want:
+        np.testing.assert_allclose(params[k][0], want[k], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        state[1][0].mu["d_big"][0], want_state[0].mu["d_big"], rtol=1e-5, atol=2e-7
+    )
+    assert_same_on_all_devices(params, "params")
+    assert_same_on_all_devices(state, "state")
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("wire", [jnp.float16, jnp.bfloat16])
+def test_narrow_wire_replays_the_direct_schedule_bitwise(mesh, op, wire):
+    """One bucket over ffi's direct schedule: each device sends
+    cast(g_i / N), owners add in float32; NumPy replays it exactly."""
+    grads = _grads(steps=3, scale=10.0)
+    tx = jaxcomm.allreduce_gradients(
+        "data", op=op, wire_dtype=wire, bucket_bytes=math.inf, backend="ffi", algorithm="direct"
+    )
+    updates, _, _ = run_steps(tx, _params(), grads, mesh)
+    for g, u in zip(grads, updates):
+        want = direct_float32(_flat_reverse(g), np.dtype(wire), prescale=1 / 8)
+        if op == "sum":
+            want = want * np.float32(8)
+        np.testing.assert_array_equal(_flat_reverse(u)[3], want)
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_narrow_wire_within_stated_bound(mesh, backend):
+    grads = _grads(steps=2)
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, backend=backend)
+    updates, _, _ = run_steps(tx, _params(), grads, mesh)
+    for g, u in zip(grads, updates):
+        xs = _flat_reverse(g)
+        err = np.abs(_flat_reverse(u)[0] - xs.astype(np.float64).mean(0))
+        # lax.psum (xla) adds in float16 too: the same bound covers it, as its
+        # error is N adds of one float16 ulp of a partial sum.
+        assert np.all(err <= error_bound(xs, "mean", np.float16, np.float32))
+
+
+def test_error_feedback_residual_and_drift(mesh):
+    """The residual is exactly what the cast dropped; with it, the summed
+    updates drift from the summed true means by about one cast error instead
+    of one per step. Devices hold large opposite values (which cancel in the
+    mean), so each contribution's cast error is far above the result's own."""
+    n = 8
+    rng = np.random.default_rng(3)
+    big = 1000.0 * rng.standard_normal((n, 512))
+    big -= big.mean(0)  # cancels across devices
+    grads = [{"w": (big + rng.standard_normal((n, 512))).astype(np.float32)} for _ in range(STEPS)]
+    runs = {}
+    for ef in (False, True):
+        tx = jaxcomm.allreduce_gradients(
+            "data", wire_dtype=jnp.float16, error_feedback=ef, backend="ffi", algorithm="direct"
+        )
+        runs[ef] = run_steps(tx, {"w": np.zeros(512, np.float32)}, grads, mesh)
+
+    # Replay the residual in NumPy float32, step by step, on every device.
+    e = np.zeros((n, 512), np.float32)
+    for g in grads:
+        v = g["w"] + e
+        sent = (v * np.float32(1 / n)).astype(np.float16).astype(np.float32) * np.float32(n)
+        e = v - sent
+    np.testing.assert_array_equal(runs[True][2].residual.value["w"][:, 0], e)
+
+    true_total = sum(g["w"].astype(np.float64).mean(0) for g in grads)
+    drift = {ef: np.abs(sum(u["w"][0] for u in runs[ef][0]) - true_total).mean() for ef in runs}
+    assert drift[True] < drift[False] / 3, drift
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+@pytest.mark.parametrize("wire", [None, jnp.float16])
+def test_double_buffering_is_dense_shifted_by_one_step(mesh, backend, wire):
+    grads = _grads(steps=6)
+    dense = jaxcomm.allreduce_gradients("data", backend=backend, wire_dtype=wire)
+    db = jaxcomm.allreduce_gradients(
+        "data", backend=backend, wire_dtype=wire, double_buffering=True
+    )
+    u_dense, _, _ = run_steps(dense, _params(), grads, mesh)
+    u_db, _, _ = run_steps(db, _params(), grads, mesh)
+    for k in SHAPES:
+        np.testing.assert_array_equal(u_db[0][k], np.zeros_like(u_db[0][k]))
+        for t in range(1, len(grads)):
+            np.testing.assert_array_equal(u_db[t][k], u_dense[t - 1][k])
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_fused_equals_unfused(mesh, backend):
+    grads = _grads(steps=4)
+    out = {}
+    for theta in (0, 2048, math.inf):
+        tx = jaxcomm.allreduce_gradients("data", bucket_bytes=theta, backend=backend)
+        out[theta] = run_steps(tx, _params(), grads, mesh)[0]
+    for t in range(len(grads)):
+        for k in SHAPES:
+            for theta in (2048, math.inf):
+                if backend == "ffi":  # the direct schedule adds each element in rank order
+                    np.testing.assert_array_equal(out[theta][t][k], out[0][t][k])
+                else:
+                    np.testing.assert_allclose(out[theta][t][k], out[0][t][k], rtol=1e-6, atol=1e-7)
+
+
+def _lowered(tx, mesh, shapes=SHAPES):
+    state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()})
+
+    def step(state, g):
+        return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+    rows = {
+        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in shapes.items()
+    }
+    return f.lower(state, rows)
+
+
+@pytest.mark.parametrize("theta", [0, 2048, 20000, math.inf])
+def test_one_collective_per_bucket(mesh, theta):
+    """ffi: the compiled HLO has one custom call per bucket. xla: jaxcomm
+    emits one all-reduce per bucket; XLA's CPU all-reduce combiner may then
+    merge independent ones (it merges all of these), so the emitted module
+    is the one counted."""
+    planned = len(jaxcomm.plan_buckets([4 * math.prod(s) for s in SHAPES.values()], theta))
+    tx = jaxcomm.allreduce_gradients("data", bucket_bytes=theta, backend="ffi")
+    compiled = _lowered(tx, mesh).compile().as_text()
+    assert compiled.count('custom_call_target="jaxcomm_allreduce"') == planned
+
+    tx = jaxcomm.allreduce_gradients("data", bucket_bytes=theta, backend="xla")
+    emitted = _lowered(tx, mesh).as_text()
+    assert len(re.findall(r"stablehlo\.all_reduce", emitted)) == planned
+
+
+def _stats_of(tx, mesh, shapes=SHAPES):
+    _, _, state = run_steps(tx, _params(shapes), _grads(steps=1, shapes=shapes), mesh)
+    return jax.tree.map(lambda x: x[0], jaxcomm.get_stats(state))
+
+
+def test_stats_count_the_payload_exactly(mesh):
+    elements = sum(math.prod(s) for s in SHAPES.values())
+    fp32 = _stats_of(jaxcomm.allreduce_gradients("data", bucket_bytes=0), mesh)
+    fp16 = _stats_of(
+        jaxcomm.allreduce_gradients("data", bucket_bytes=0, wire_dtype="float16"), mesh
+    )
+    assert fp32.payload_bytes == 4 * elements
+    assert fp16.payload_bytes == 0.5 * fp32.payload_bytes
+    assert fp32.bytes_sent == np.float32(4 * elements * 2 * 7 / 8)
+    assert fp32.collectives == len(SHAPES) and fp32.density == 1 and not fp32.nonfinite
+
+    hier = _stats_of(
+        jaxcomm.allreduce_gradients(("node", "local"), algorithm="hierarchical"),
+        mesh_of((2, 4), ("node", "local")),
+    )
+    # 2(L-1)/L inside the node plus 2(M-1)/M of the 1/L shard across nodes.
+    assert hier.bytes_sent == np.float32(4 * elements * (2 * 3 / 4 + 2 * 1 / 2 / 4))
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_hierarchical_matches_the_mean(backend):
+    mesh = mesh_of((2, 4), ("node", "local"))
+    grads = _grads(steps=3)
+    tx = jaxcomm.allreduce_gradients(
+        ("node", "local"), algorithm="hierarchical", backend=backend, wire_dtype=jnp.bfloat16
+    )
+    updates, _, _ = run_steps(tx, _params(), grads, mesh)
+    for g, u in zip(grads, updates):
+        xs = _flat_reverse(g)
+        err = np.abs(_flat_reverse(u)[0] - xs.astype(np.float64).mean(0))
+        assert np.all(err <= error_bound(xs, "mean", jnp.bfloat16, np.float32))
+        assert_same_on_all_devices(u, "updates")
+
+
+OPTIONS = [
+    dict(),
+    dict(wire_dtype=jnp.float16, error_feedback=True),
+    dict(wire_dtype=jnp.bfloat16, double_buffering=True, bucket_bytes=0),
+    dict(backend="ffi", algorithm="ring", bucket_bytes=math.inf, double_buffering=True),
+    dict(backend="ffi", wire_dtype=jnp.float16, error_feedback=True, double_buffering=True),
+    dict(backend="xla", algorithm="ring", op="sum", wire_dtype=jnp.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
+)
+def test_replicas_stay_bitwise_identical(mesh, options):
+    tx = optax.chain(jaxcomm.allreduce_gradients("data", **options), optax.adam(1e-2))
+    _, params, state = run_steps(tx, _params(), _grads(), mesh)
+    assert_same_on_all_devices(params, "params")
+    # Residuals are per device by definition (what each has not sent yet).
+    shared = jax.tree.map(
+        lambda x: None if isinstance(x, jaxcomm.PerDevice) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, jaxcomm.PerDevice),
+    )
+    assert_same_on_all_devices(shared, "state")
+
+
+def test_nonfinite_gradient_is_flagged_everywhere_and_skippable(mesh):
+    """One device's inf poisons the reduced gradient on all devices; the
+    flag says so on all of them, the residual does not take it in, and
+    optax.apply_if_finite after the transform skips the step everywhere."""
+    grads = _grads(steps=4)
+    grads[2]["d_big"][5, 7] = np.inf
+    sgd = optax.sgd(0.1, momentum=0.9)
+    tx = optax.chain(
+        jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True),
+        optax.apply_if_finite(sgd, max_consecutive_errors=3),
+    )
+    flags, params = [], None
+    for t in range(len(grads)):
+        _, params, state = run_steps(tx, _params(), grads[: t + 1], mesh, check_vma=False)
+        flags.append(np.asarray(jaxcomm.get_stats(state).nonfinite))
+    assert [bool(f.all()) for f in flags] == [False, False, True, False]
+    assert all(f.all() == f.any() for f in flags)  # every device agrees
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    # The same run without step 2 lands on the same parameters.
+    skipped = grads[:2] + grads[3:]
+    tx_ok = optax.chain(
+        jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True), sgd
+    )
+    _, want, _ = run_steps(tx_ok, _params(), skipped, mesh, check_vma=False)
+    for k in SHAPES:  # a different program (cond) may round the last bit differently
+        np.testing.assert_allclose(params[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def test_under_pmap():
+    n = 8
+    grads = _grads(steps=3)
+    opt = optax.sgd(0.1, momentum=0.9)
+    tx = optax.chain(jaxcomm.allreduce_gradients("i", wire_dtype=jnp.bfloat16), opt)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = jax.pmap(step, axis_name="i")
+    p = jax.tree.map(lambda x: np.broadcast_to(x, (n, *x.shape)), _params())
+    s = jax.pmap(tx.init, axis_name="i")(p)
+    for g in grads:
+        p, s = jax.block_until_ready(run(p, s, g))
+    want, _ = optax_on_mean(opt, _params(), grads)
+    for k in SHAPES:
+        np.testing.assert_allclose(np.asarray(p[k])[3], want[k], rtol=1e-2, atol=1e-2)
+    assert_same_on_all_devices(jax.tree.map(np.asarray, p), "params")
+
+
+def test_error_feedback_state_through_shard_map_with_state_specs(mesh):
+    """The documented way: init under jax.set_mesh, carry the state through
+    shard_map with jaxcomm.state_specs; the residual rows stay per device."""
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True)
+    params = {"w": jnp.zeros(16)}
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, "data")
+    assert state.residual.value["w"].shape == (8, 16)
+
+    def step(state, g):
+        return tx.update({"w": g[0]}, state)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs)))
+    g = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32) * 1e3
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    out, state = jax.block_until_ready(f(state, jax.device_put(g, NamedSharding(mesh, P("data")))))
+    v = g.astype(np.float32)
+    want = v - (v * np.float32(1 / 8)).astype(np.float16).astype(np.float32) * np.float32(8)
+    np.testing.assert_array_equal(np.asarray(state.residual.value["w"]), want)
+
+
+BAD = [
+    (dict(op="max"), ValueError, "op='max'"),
+    (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
+    (dict(backend="mpi"), ValueError, "backend='mpi'"),
+    (dict(wire_dtype=jnp.int8), TypeError, "wire_dtype=int8"),
+    (dict(bucket_bytes=-1), ValueError, "bucket_bytes=-1"),
+    (dict(bucket_bytes="big"), TypeError, "bucket_bytes='big'"),
+    (dict(error_feedback=True), ValueError, "error_feedback=True"),
+    (dict(algorithm="hierarchical"), ValueError, "hierarchical"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_options_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        jaxcomm.allreduce_gradients("data", **options)
+
+
+def test_integer_gradients_are_refused(mesh):
+    tx = jaxcomm.allreduce_gradients("data")
+    with pytest.raises(TypeError, match="gradient leaf 0 has dtype int32"):
+        run_steps(tx, {"w": np.zeros(3, np.int32)}, [{"w": np.zeros((8, 3), np.int32)}], mesh)
+
+
+def test_error_feedback_init_outside_a_mesh_says_how():
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True)
+    with pytest.raises(ValueError, match="jax.set_mesh"):
+        tx.init({"w": jnp.zeros(3)})
