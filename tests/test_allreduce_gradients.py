@@ -75,7 +75,7 @@ def test_narrow_wire_replays_the_direct_schedule_bitwise(mesh, op, wire):
         "data", op=op, wire_dtype=wire, bucket_bytes=math.inf, backend="ffi", algorithm="direct"
     )
     updates, _, _ = run_steps(tx, _params(), grads, mesh)
-    for g, u in zip(grads, updates):
+    for g, u in zip(grads, updates, strict=True):
         want = direct_float32(_flat_reverse(g), np.dtype(wire), prescale=1 / 8)
         if op == "sum":
             want = want * np.float32(8)
@@ -87,7 +87,7 @@ def test_narrow_wire_within_stated_bound(mesh, backend):
     grads = _grads(steps=2)
     tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, backend=backend)
     updates, _, _ = run_steps(tx, _params(), grads, mesh)
-    for g, u in zip(grads, updates):
+    for g, u in zip(grads, updates, strict=True):
         xs = _flat_reverse(g)
         err = np.abs(_flat_reverse(u)[0] - xs.astype(np.float64).mean(0))
         # lax.psum (xla) adds in float16 too: the same bound covers it, as its
@@ -219,7 +219,7 @@ def test_hierarchical_matches_the_mean(backend):
         ("node", "local"), algorithm="hierarchical", backend=backend, wire_dtype=jnp.bfloat16
     )
     updates, _, _ = run_steps(tx, _params(), grads, mesh)
-    for g, u in zip(grads, updates):
+    for g, u in zip(grads, updates, strict=True):
         xs = _flat_reverse(g)
         err = np.abs(_flat_reverse(u)[0] - xs.astype(np.float64).mean(0))
         assert np.all(err <= error_bound(xs, "mean", jnp.bfloat16, np.float32))

@@ -190,7 +190,9 @@ def _reduce_in_buckets(leaves, axes, n, op, theta, opts):
     wire = opts["wire_dtype"]
     dtypes = [np.dtype(jnp.result_type(leaf)) for leaf in leaves]
     sizes = [int(np.size(leaf)) for leaf in leaves]
-    buckets = plan_buckets([s * d.itemsize for s, d in zip(sizes, dtypes)], theta, kinds=dtypes)
+    buckets = plan_buckets(
+        [s * d.itemsize for s, d in zip(sizes, dtypes, strict=True)], theta, kinds=dtypes
+    )
     narrow = wire is not None and wire.itemsize < 4
     # A narrow wire always divides by N before the cast; a sum is scaled back.
     bucket_op = "mean" if narrow else op
