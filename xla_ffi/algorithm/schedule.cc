@@ -159,7 +159,7 @@ Status RingReduceScatter(Transport& t, Kernels& k, const ReduceSpec& spec, const
   const Range own = ChunkRange(n, t.size(), t.rank());
   k.Convert(out, spec.input, At(b.acc, own.begin, acc), acc, own.size(), spec.postscale);
   // Chunks past the end of the input are padding: zero, like psum_scatter of zeros.
-  std::fill(At(out, own.size(), spec.input), At(out, per, spec.input), char{0});
+  k.Zero(At(out, own.size(), spec.input), (per - own.size()) * SizeOf(spec.input));
   return Status::Ok();
 }
 

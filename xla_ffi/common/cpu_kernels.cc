@@ -115,6 +115,10 @@ void CpuKernels::Accumulate(void* acc, DType acc_type, const void* src, DType sr
   return AccumulateInto<DType::kF32>(acc, src, src_type, n);
 }
 
+void CpuKernels::Zero(void* dst, size_t bytes) {
+  if (bytes > 0) std::memset(dst, 0, bytes);
+}
+
 CpuKernels& CpuKernels::Get() {
   static CpuKernels kernels;
   return kernels;

@@ -18,6 +18,8 @@ class Kernels {
                        double scale) = 0;
   // acc[i] += acc_type(src[i]); acc_type is float32 or float64.
   virtual void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) = 0;
+  // dst[0, bytes) = 0; a schedule never touches device memory from the host.
+  virtual void Zero(void* dst, size_t bytes) = 0;
 };
 
 // Plain C++ loops; used by the CPU transport and by the test harness.
@@ -26,6 +28,7 @@ class CpuKernels final : public Kernels {
   void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                double scale) override;
   void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) override;
+  void Zero(void* dst, size_t bytes) override;
   static CpuKernels& Get();
 };
 

@@ -1,0 +1,111 @@
+// pack_chunks / unpack_chunks: the selected chunks of a flat buffer moved to
+// (and back from) the front of a dense one, with no host round trip: the
+// destinations come from a device-side scan of the mask.
+#include <cuda_runtime_api.h>
+
+#include "cpu/ffi_util.h"  // dtype decoding and Status -> ffi::Error; no CPU code
+#include "cuda/check.h"
+#include "cuda/collective.h"
+#include "cuda/handlers.h"
+
+namespace jaxcomm::cuda {
+namespace {
+
+ffi::Error CheckChunks(const char* op, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> mask,
+                       int64_t chunk_size, size_t* elem_bytes) {
+  auto type = cpu::FromFfi(x.element_type());
+  if (!type) {
+    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op +
+                                       ": dtype must be float32, float16, bfloat16 or float64");
+  }
+  if (chunk_size <= 0) {
+    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op + ": chunk_size <= 0");
+  }
+  const size_t nchunks = (x.element_count() + chunk_size - 1) / chunk_size;
+  if (mask.element_count() != nchunks) {
+    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op + ": chunk mask must have " +
+                                       std::to_string(nchunks) + " entries");
+  }
+  *elem_bytes = SizeOf(*type);
+  return ffi::Error::Success();
+}
+
+Status Offsets(cudaStream_t stream, ffi::ScratchAllocator& scratch, const bool* mask,
+               int64_t nchunks, int32_t** offsets) {
+  void* block = nullptr;
+  JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, (nchunks + 1) * sizeof(int32_t), &block));
+  *offsets = static_cast<int32_t*>(block);
+  return LaunchChunkOffsets(stream, mask, nchunks, *offsets);
+}
+
+// y[:packed] = the selected chunks of x in order; y[packed:] = 0.
+ffi::Error PackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
+                    int64_t chunk_size) {
+  size_t isz = 0;
+  if (auto err = CheckChunks("pack_chunks", x, mask, chunk_size, &isz); !err.success()) return err;
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("jaxcomm pack_chunks: output must be like x");
+  }
+  const size_t n = x.element_count();
+  if (n == 0) return ffi::Error::Success();
+  const int64_t nchunks = mask.element_count();
+  Status st = FromCuda(cudaMemsetAsync(y->untyped_data(), 0, n * isz, stream), "cudaMemsetAsync");
+  int32_t* offsets = nullptr;
+  if (st.ok()) st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
+  if (st.ok()) {
+    st = LaunchPackChunks(stream, x.untyped_data(), n, isz, mask.typed_data(), offsets, chunk_size,
+                          y->untyped_data());
+  }
+  return cpu::ToError(st);
+}
+
+// y = x, except selected chunk c = packed[chunk c's packed position].
+ffi::Error UnpackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer packed,
+                      ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
+                      int64_t chunk_size) {
+  size_t isz = 0;
+  if (auto err = CheckChunks("unpack_chunks", x, mask, chunk_size, &isz); !err.success()) {
+    return err;
+  }
+  if (packed.element_type() != x.element_type() || y->element_type() != x.element_type() ||
+      packed.element_count() != x.element_count() || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("jaxcomm unpack_chunks: packed, x and y must match");
+  }
+  const size_t n = x.element_count();
+  if (n == 0) return ffi::Error::Success();
+  const int64_t nchunks = mask.element_count();
+  Status st = FromCuda(cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), n * isz,
+                                       cudaMemcpyDeviceToDevice, stream),
+                       "cudaMemcpyAsync");
+  int32_t* offsets = nullptr;
+  if (st.ok()) st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
+  if (st.ok()) {
+    st = LaunchUnpackChunks(stream, packed.untyped_data(), n, isz, mask.typed_data(), offsets,
+                            chunk_size, y->untyped_data());
+  }
+  return cpu::ToError(st);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackChunksCuda, PackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::ScratchAllocator>()              // chunk offsets
+                                  .Arg<ffi::AnyBuffer>()                     // x, n elements
+                                  .Arg<ffi::Buffer<ffi::PRED>>()             // chunk mask
+                                  .Ret<ffi::AnyBuffer>()                     // y: packed, zero tail
+                                  .Attr<int64_t>("chunk_size"));             // elements per chunk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(UnpackChunksCuda, UnpackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::ScratchAllocator>()              // chunk offsets
+                                  .Arg<ffi::AnyBuffer>()                     // packed, n elements
+                                  .Arg<ffi::AnyBuffer>()          // x: the unselected values
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask
+                                  .Ret<ffi::AnyBuffer>()          // y, like x
+                                  .Attr<int64_t>("chunk_size"));  // elements per chunk
+
+}  // namespace jaxcomm::cuda

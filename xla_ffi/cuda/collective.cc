@@ -1,0 +1,84 @@
+#include "cuda/collective.h"
+
+#include <nccl.h>
+
+#include "cuda/check.h"
+#include "cuda/nccl_transport.h"
+
+namespace jaxcomm::cuda {
+
+Status Allocate(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  *out = nullptr;
+  if (bytes == 0) return Status::Ok();
+  std::optional<void*> p = scratch.Allocate(bytes, 256);
+  if (!p.has_value()) {
+    return Status(Code::kInternal,
+                  "jaxcomm: could not allocate " + std::to_string(bytes) + " bytes of scratch");
+  }
+  *out = *p;
+  return Status::Ok();
+}
+
+Status RunCollective(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
+                     int nranks, const std::function<Status(RankComms&, CudaKernels&)>& body) {
+  ScopedDevice scoped(device);
+  JAXCOMM_RETURN_IF_ERROR(scoped.status());
+  RankComms* rc = nullptr;
+  JAXCOMM_RETURN_IF_ERROR(CommsForCall(stream, coords, op_id, device, nranks, &rc));
+  std::lock_guard<std::mutex> lock(rc->mu);
+  if (!rc->failure.empty()) return Status(Code::kAborted, rc->failure);
+  if (rc->size != nranks) {
+    return Status(Code::kInvalidArgument,
+                  "jaxcomm: call site " + std::to_string(op_id) + " changed its group size");
+  }
+  CudaKernels k(stream);
+  JAXCOMM_RETURN_IF_ERROR(body(*rc, k));
+  JAXCOMM_RETURN_IF_ERROR(k.status());
+  return Watch(*rc, stream);
+}
+
+namespace {
+
+// NCCL sums float16 in float16 at every hop; only the wider types may take
+// the ncclAllReduce path and still add in the accumulator type.
+bool NcclAddsInAccumulator(const ReduceSpec& spec, ncclDataType_t* type) {
+  if (spec.wire != spec.input) return false;
+  if (spec.input == DType::kF32) *type = ncclFloat32;
+  if (spec.input == DType::kF64) *type = ncclFloat64;
+  return spec.input == DType::kF32 || spec.input == DType::kF64;
+}
+
+}  // namespace
+
+Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream,
+                        ffi::ScratchAllocator& scratch, Algorithm algorithm, int intra_size,
+                        const ReduceSpec& spec, const void* in, void* out, size_t n) {
+  ncclDataType_t type;
+  if (algorithm == Algorithm::kDirect && NcclAddsInAccumulator(spec, &type)) {
+    if (n > 0) {
+      JAXCOMM_NCCL_RETURN_IF_ERROR(ncclAllReduce(in, out, n, type, ncclSum, rc.flat, stream),
+                                   rc.flat);
+      JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclAllReduce"));
+    }
+    // Linear, so both scales can wait until after the sum.
+    const double scale = spec.prescale * spec.postscale;
+    if (scale != 1.0) k.Convert(out, spec.input, out, spec.input, n, scale);
+    return Status::Ok();
+  }
+  void* block = nullptr;
+  if (algorithm == Algorithm::kHierarchical) {
+    RankComms::Split split;
+    JAXCOMM_RETURN_IF_ERROR(SplitFor(rc, intra_size, &split));
+    const int L = intra_size;
+    NcclTransport intra(rc, split.intra, rc.rank % L, L, stream);
+    NcclTransport inter(rc, split.inter, rc.rank / L, rc.size / L, stream);
+    JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, L), &block));
+    return HierarchicalAllReduce(intra, inter, k, spec, in, out, n, block);
+  }
+  // kRing, and kDirect with a wire cast or a 16-bit input.
+  NcclTransport flat(rc, rc.flat, rc.rank, rc.size, stream);
+  JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, rc.size), &block));
+  return RingAllReduce(flat, k, spec, in, out, n, block);
+}
+
+}  // namespace jaxcomm::cuda

@@ -1,0 +1,333 @@
+#include "cuda/communicators.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <memory>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "cuda/check.h"
+
+namespace jaxcomm::cuda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::atomic<double> timeout_seconds{300.0};
+
+Clock::time_point Deadline() {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(TimeoutSeconds()));
+}
+
+ncclConfig_t NonBlockingConfig() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// Aborts every communicator of rc; caller holds rc.mu. ncclCommAbort also
+// releases kernels still waiting on peers, so the stream can drain.
+void AbortLocked(RankComms& rc, const std::string& why) {
+  if (!rc.failure.empty()) return;
+  rc.failure = why;
+  for (auto& [size, split] : rc.splits) {
+    if (split.intra) ncclCommAbort(split.intra);
+    if (split.inter) ncclCommAbort(split.inter);
+  }
+  rc.splits.clear();
+  if (rc.flat) ncclCommAbort(rc.flat);
+  rc.flat = nullptr;
+}
+
+// The ranks of one group meeting for the first call of a site, in one process.
+struct Pending {
+  std::vector<int> devices;  // by rank; -1 = not arrived
+  int arrived = 0;
+  int left = 0;
+  bool ready = false;
+  bool create = false;  // true: first use of this device set, init the communicators
+  ncclUniqueId id;
+  Status status;
+  std::shared_ptr<std::vector<RankComms>> group;
+};
+
+// Process-wide on purpose: communicators belong to device groups, not to one
+// call site or one executable, and are shared by all of them. Never
+// destroyed: tearing NCCL down during static destruction can hang.
+class Registry {
+ public:
+  static Registry& Get() {
+    static Registry* registry = new Registry();
+    return *registry;
+  }
+
+  RankComms* Cached(int64_t op_id, int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_call_.find({op_id, device});
+    return it == by_call_.end() ? nullptr : it->second;
+  }
+
+  Status Join(int64_t op_id, int device, int64_t group, int rank, int nranks, RankComms** out);
+
+  void Register(int64_t op_id, int64_t group, const ncclUniqueId& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids_[{op_id, group}] = id;
+  }
+
+  void Watch(RankComms* rc, cudaEvent_t event);
+
+ private:
+  Status InitRank(RankComms& rc, const ncclUniqueId& id);
+  void WatchdogLoop();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<int64_t, int>, RankComms*> by_call_;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<Pending>> pending_;
+  std::map<std::vector<int>, std::shared_ptr<std::vector<RankComms>>> by_devices_;
+  std::map<std::pair<int64_t, int64_t>, ncclUniqueId> ids_;
+  std::list<RankComms> per_site_;  // several processes: one group per site
+
+  struct Watched {
+    RankComms* rc;
+    cudaEvent_t event;
+    Clock::time_point deadline;
+  };
+  std::mutex watch_mu_;
+  std::deque<Watched> watched_;
+  bool watchdog_started_ = false;
+};
+
+Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
+  std::lock_guard<std::mutex> lock(rc.mu);
+  ScopedDevice scoped(rc.device);
+  JAXCOMM_RETURN_IF_ERROR(scoped.status());
+  ncclConfig_t config = NonBlockingConfig();
+  ncclComm_t comm = nullptr;
+  Status st = FromNccl(ncclCommInitRankConfig(&comm, rc.size, id, rc.rank, &config),
+                       "ncclCommInitRankConfig");
+  if (st.ok()) {
+    rc.flat = comm;
+    st = Await(rc, comm, "ncclCommInitRankConfig");
+  }
+  if (!st.ok() && rc.failure.empty()) rc.failure = st.message();
+  return st;
+}
+
+Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nranks,
+                      RankComms** out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (auto it = ids_.find({op_id, group}); it != ids_.end()) {
+    // Several processes: the peers are not all here, so no device-set cache.
+    const ncclUniqueId id = it->second;
+    RankComms& rc = per_site_.emplace_back();
+    rc.device = device;
+    rc.rank = rank;
+    rc.size = nranks;
+    lock.unlock();
+    JAXCOMM_RETURN_IF_ERROR(InitRank(rc, id));
+    lock.lock();
+    by_call_[{op_id, device}] = *out = &rc;
+    return Status::Ok();
+  }
+
+  std::shared_ptr<Pending>& slot = pending_[{op_id, group}];
+  if (!slot) {
+    slot = std::make_shared<Pending>();
+    slot->devices.assign(nranks, -1);
+  }
+  std::shared_ptr<Pending> p = slot;
+  if (static_cast<int>(p->devices.size()) != nranks || p->devices[rank] != -1) {
+    return Status(Code::kInvalidArgument,
+                  "jaxcomm: ranks of call site " + std::to_string(op_id) +
+                      " disagree on the group size, or two devices claim rank " +
+                      std::to_string(rank));
+  }
+  p->devices[rank] = device;
+  if (++p->arrived == nranks) {
+    auto it = by_devices_.find(p->devices);
+    if (it != by_devices_.end()) {
+      p->group = it->second;
+    } else {
+      p->create = true;
+      p->status = NewUniqueId(&p->id);
+      p->group = std::make_shared<std::vector<RankComms>>(nranks);
+      if (p->status.ok()) by_devices_[p->devices] = p->group;
+    }
+    p->ready = true;
+    cv_.notify_all();
+  } else if (!cv_.wait_until(lock, Deadline(), [&] { return p->ready; })) {
+    std::string missing;
+    for (int r = 0; r < nranks; ++r) {
+      if (p->devices[r] == -1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    return Status(Code::kDeadlineExceeded,
+                  "jaxcomm: timed out after " + std::to_string(TimeoutSeconds()) +
+                      " s waiting for ranks [" + missing + "] of group " + std::to_string(group) +
+                      " (one process needs one thread per GPU; several processes need "
+                      "jax.distributed.initialize before the first call)");
+  }
+  if (++p->left == nranks) pending_.erase({op_id, group});
+  JAXCOMM_RETURN_IF_ERROR(p->status);
+  RankComms& rc = (*p->group)[rank];
+  if (p->create) {
+    rc.device = device;
+    rc.rank = rank;
+    rc.size = nranks;
+    const ncclUniqueId id = p->id;
+    lock.unlock();
+    JAXCOMM_RETURN_IF_ERROR(InitRank(rc, id));
+    lock.lock();
+  }
+  by_call_[{op_id, device}] = *out = &rc;
+  return Status::Ok();
+}
+
+void Registry::Watch(RankComms* rc, cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  watched_.push_back({rc, event, Deadline()});
+  if (!watchdog_started_) {
+    watchdog_started_ = true;
+    std::thread([this] { WatchdogLoop(); }).detach();
+  }
+}
+
+void Registry::WatchdogLoop() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<Watched> expired;
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      const Clock::time_point now = Clock::now();
+      // An event still pending past its deadline means a peer never joined.
+      for (auto it = watched_.begin(); it != watched_.end();) {
+        const cudaError_t q = cudaEventQuery(it->event);
+        if (q == cudaErrorNotReady && now < it->deadline) {
+          ++it;
+          continue;
+        }
+        if (q == cudaErrorNotReady) expired.push_back(*it);
+        cudaEventDestroy(it->event);
+        it = watched_.erase(it);
+      }
+    }
+    for (const Watched& w : expired) {
+      std::lock_guard<std::mutex> lock(w.rc->mu);
+      AbortLocked(*w.rc, "jaxcomm: an NCCL collective on device " + std::to_string(w.rc->device) +
+                             " did not finish within " + std::to_string(TimeoutSeconds()) +
+                             " s (a peer never joined?); its communicator was aborted");
+    }
+  }
+}
+
+}  // namespace
+
+void SetTimeoutSeconds(double seconds) { timeout_seconds.store(seconds); }
+double TimeoutSeconds() { return timeout_seconds.load(); }
+
+ScopedDevice::ScopedDevice(int device) {
+  status_ = FromCuda(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (status_.ok() && previous_ != device) {
+    status_ = FromCuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+}
+
+ScopedDevice::~ScopedDevice() {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && previous_ >= 0 && current != previous_) {
+    cudaSetDevice(previous_);
+  }
+}
+
+Status NewUniqueId(ncclUniqueId* id) {
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(id), nullptr);
+  return Status::Ok();
+}
+
+void RegisterUniqueId(int64_t op_id, int64_t group, const ncclUniqueId& id) {
+  Registry::Get().Register(op_id, group, id);
+}
+
+Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, int device,
+                    int nranks, RankComms** out) {
+  Registry& registry = Registry::Get();
+  if ((*out = registry.Cached(op_id, device)) != nullptr) return Status::Ok();
+  // First call of this site on this device: the placement is static per
+  // device, so reading it (and synchronizing) once is enough.
+  int32_t host[2] = {0, 0};
+  JAXCOMM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, coords, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  JAXCOMM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (nranks < 1 || host[1] < 0 || host[1] >= nranks) {
+    return Status(Code::kInvalidArgument, "jaxcomm: rank " + std::to_string(host[1]) +
+                                              " is outside a group of " + std::to_string(nranks));
+  }
+  return registry.Join(op_id, device, host[0], host[1], nranks, out);
+}
+
+Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out) {
+  if (auto it = rc.splits.find(intra_size); it != rc.splits.end()) {
+    *out = it->second;
+    return Status::Ok();
+  }
+  if (intra_size < 1 || rc.size % intra_size != 0) {
+    return Status(Code::kInvalidArgument, "jaxcomm: hierarchical needs the group size (" +
+                                              std::to_string(rc.size) +
+                                              ") to be a multiple of the ranks per node (" +
+                                              std::to_string(intra_size) + ")");
+  }
+  const int node = rc.rank / intra_size, local = rc.rank % intra_size;
+  RankComms::Split split;
+  ncclConfig_t config = NonBlockingConfig();
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, node, local, &split.intra, &config), rc.flat);
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (intra)"));
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.intra, "ncclCommSplit (intra)"));
+  config = NonBlockingConfig();
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, local, node, &split.inter, &config), rc.flat);
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (inter)"));
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.inter, "ncclCommSplit (inter)"));
+  rc.splits[intra_size] = *out = split;
+  return Status::Ok();
+}
+
+Status Await(RankComms& rc, ncclComm_t comm, const char* what) {
+  const Clock::time_point deadline = Deadline();
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t res = ncclCommGetAsyncError(comm, &async);
+    if (res != ncclSuccess) async = res;
+    if (async == ncclSuccess) return Status::Ok();
+    if (async != ncclInProgress) {
+      Status st = FromNccl(async, what, comm);
+      AbortLocked(rc, st.message());
+      return st;
+    }
+    if (Clock::now() > deadline) {
+      const std::string msg = std::string("jaxcomm: ") + what + " on device " +
+                              std::to_string(rc.device) + " made no progress for " +
+                              std::to_string(TimeoutSeconds()) + " s; the communicator was aborted";
+      AbortLocked(rc, msg);
+      return Status(Code::kDeadlineExceeded, msg);
+    }
+    std::this_thread::yield();
+  }
+}
+
+Status Watch(RankComms& rc, cudaStream_t stream) {
+  cudaEvent_t event;
+  JAXCOMM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  if (cudaError_t err = cudaEventRecord(event, stream); err != cudaSuccess) {
+    cudaEventDestroy(event);
+    return FromCuda(err, "cudaEventRecord");
+  }
+  Registry::Get().Watch(&rc, event);
+  return Status::Ok();
+}
+
+}  // namespace jaxcomm::cuda

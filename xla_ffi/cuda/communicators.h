@@ -1,0 +1,85 @@
+// NCCL communicators, created once per device group and reused by every call
+// site that reduces over the same devices.
+//
+// jaxlib 0.10.2 ships no xla/ffi/api/collectives_api.h, so XLA cannot hand
+// us its own communicators. One process driving several GPUs: the ranks of a
+// group meet in a process-local rendezvous, learn the group's devices, and
+// either reuse that group's communicators or create them with
+// ncclCommInitRank on their own threads. Several processes: Python shares a
+// unique id per (call site, group) through the jax.distributed key-value
+// store and registers it here before the first call (RegisterUniqueId).
+//
+// Communicators are non-blocking (config.blocking = 0), so no NCCL call can
+// hang the host: Await polls ncclCommGetAsyncError until a deadline, then
+// aborts the communicator. A collective that never finishes on the device is
+// caught by a watchdog thread that aborts it the same way (Watch).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "common/status.h"
+
+namespace jaxcomm::cuda {
+
+// Seconds a rendezvous, communicator set-up or collective may take.
+void SetTimeoutSeconds(double seconds);
+double TimeoutSeconds();
+
+// One rank's communicators in one group. `mu` is held while work is issued,
+// so the watchdog never aborts a communicator under a running handler.
+struct RankComms {
+  struct Split {
+    ncclComm_t intra = nullptr;  // the ranks of this node, ordered by local index
+    ncclComm_t inter = nullptr;  // the ranks with this local index, ordered by node
+  };
+  int device = -1;
+  int rank = 0;
+  int size = 0;
+  ncclComm_t flat = nullptr;
+  std::map<int, Split> splits;  // by ranks per node
+  std::mutex mu;
+  std::string failure;  // set when aborted: every later call returns it
+};
+
+// Finds (first call: creates) this device's communicators for call site
+// `op_id`. Reads the [group, rank] coords from device memory only on the
+// first call of a site, which therefore synchronizes `stream` once.
+Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, int device,
+                    int nranks, RankComms** out);
+
+// The intra/inter communicators for `intra_size` ranks per node, split from
+// rc.flat on first use (collective: every rank of the group calls it).
+// Caller holds rc.mu.
+Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out);
+
+// Waits until the last non-blocking NCCL call on `comm` has been issued;
+// on error or timeout aborts all of rc's communicators. Caller holds rc.mu.
+Status Await(RankComms& rc, ncclComm_t comm, const char* what);
+
+// Hands the work just issued on `stream` to the watchdog, which aborts rc's
+// communicators if it has not finished within the timeout.
+Status Watch(RankComms& rc, cudaStream_t stream);
+
+// For several processes: the unique id every process uses for (op_id, group).
+Status NewUniqueId(ncclUniqueId* id);
+void RegisterUniqueId(int64_t op_id, int64_t group, const ncclUniqueId& id);
+
+// Makes `device` current for the scope (handlers may run on any thread).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device);
+  ~ScopedDevice();
+  Status status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  Status status_;
+};
+
+}  // namespace jaxcomm::cuda

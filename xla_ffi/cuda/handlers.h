@@ -1,0 +1,14 @@
+// The CUDA FFI handlers this library registers with XLA (platform "CUDA").
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jaxcomm::cuda {
+extern "C" XLA_FFI_Error* AllReduceCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* ReduceScatterCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllGatherCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* ChunkNormsCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* CastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* PackChunksCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* UnpackChunksCuda(XLA_FFI_CallFrame* call_frame);
+}  // namespace jaxcomm::cuda

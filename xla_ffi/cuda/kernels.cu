@@ -1,0 +1,329 @@
+// CUDA kernels behind CudaKernels and the chunk operations. Conversions round
+// to nearest even like the CPU loops in common/cpu_kernels.cc, and widen to
+// float64 only when one side is float64, so both backends give the same bits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "cuda/check.h"
+#include "cuda/kernels.h"
+
+namespace jaxcomm::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 4;                    // elements per thread: loads in flight
+constexpr size_t kTile = kThreads * kItems;  // elements per block
+
+template <DType T>
+struct Elem;
+template <>
+struct Elem<DType::kF32> {
+  using Storage = float;
+  __device__ static float Load(Storage v) { return v; }
+  __device__ static Storage Store(float v) { return v; }
+};
+template <>
+struct Elem<DType::kF64> {
+  using Storage = double;
+  __device__ static double Load(Storage v) { return v; }
+  __device__ static Storage Store(double v) { return v; }
+};
+template <>
+struct Elem<DType::kF16> {
+  using Storage = __half;
+  __device__ static float Load(Storage v) { return __half2float(v); }
+  __device__ static Storage Store(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Elem<DType::kBF16> {
+  using Storage = __nv_bfloat16;
+  __device__ static float Load(Storage v) { return __bfloat162float(v); }
+  __device__ static Storage Store(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <DType A, DType B>
+using Wide = std::conditional_t<A == DType::kF64 || B == DType::kF64, double, float>;
+
+unsigned Blocks(size_t n) { return static_cast<unsigned>((n + kTile - 1) / kTile); }
+
+// One tile of kTile elements per block; consecutive threads touch
+// consecutive elements so every load is coalesced.
+template <typename Op>
+__global__ void Elementwise(size_t n, Op op) {
+  const size_t base = static_cast<size_t>(blockIdx.x) * kTile + threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const size_t i = base + static_cast<size_t>(k) * kThreads;
+    if (i < n) op(i);
+  }
+}
+
+template <DType D, DType S>
+struct ConvertOp {
+  typename Elem<D>::Storage* out;
+  const typename Elem<S>::Storage* in;
+  Wide<D, S> scale;
+  __device__ void operator()(size_t i) const {
+    out[i] = Elem<D>::Store(static_cast<Wide<D, S>>(Elem<S>::Load(in[i])) * scale);
+  }
+};
+
+template <DType A, DType S>
+struct AccumulateOp {
+  typename Elem<A>::Storage* acc;
+  const typename Elem<S>::Storage* in;
+  __device__ void operator()(size_t i) const {
+    acc[i] += static_cast<Wide<A, S>>(Elem<S>::Load(in[i]));
+  }
+};
+
+template <DType D, DType S>
+cudaError_t ConvertTyped(cudaStream_t stream, void* dst, const void* src, size_t n, double scale) {
+  if (D == S && scale == 1.0) {
+    if (dst == src) return cudaSuccess;
+    return cudaMemcpyAsync(dst, src, n * sizeof(typename Elem<D>::Storage),
+                           cudaMemcpyDeviceToDevice, stream);
+  }
+  ConvertOp<D, S> op{static_cast<typename Elem<D>::Storage*>(dst),
+                     static_cast<const typename Elem<S>::Storage*>(src),
+                     static_cast<Wide<D, S>>(scale)};
+  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
+  return cudaGetLastError();
+}
+
+template <DType A, DType S>
+cudaError_t AccumulateTyped(cudaStream_t stream, void* acc, const void* src, size_t n) {
+  AccumulateOp<A, S> op{static_cast<typename Elem<A>::Storage*>(acc),
+                        static_cast<const typename Elem<S>::Storage*>(src)};
+  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
+  return cudaGetLastError();
+}
+
+template <DType D>
+cudaError_t ConvertTo(cudaStream_t stream, void* dst, const void* src, DType src_type, size_t n,
+                      double scale) {
+  switch (src_type) {
+    case DType::kF32:
+      return ConvertTyped<D, DType::kF32>(stream, dst, src, n, scale);
+    case DType::kF16:
+      return ConvertTyped<D, DType::kF16>(stream, dst, src, n, scale);
+    case DType::kBF16:
+      return ConvertTyped<D, DType::kBF16>(stream, dst, src, n, scale);
+    case DType::kF64:
+      return ConvertTyped<D, DType::kF64>(stream, dst, src, n, scale);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <DType A>
+cudaError_t AccumulateInto(cudaStream_t stream, void* acc, const void* src, DType src_type,
+                           size_t n) {
+  switch (src_type) {
+    case DType::kF32:
+      return AccumulateTyped<A, DType::kF32>(stream, acc, src, n);
+    case DType::kF16:
+      return AccumulateTyped<A, DType::kF16>(stream, acc, src, n);
+    case DType::kBF16:
+      return AccumulateTyped<A, DType::kBF16>(stream, acc, src, n);
+    case DType::kF64:
+      return AccumulateTyped<A, DType::kF64>(stream, acc, src, n);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Exclusive scan of the mask in one block: each thread counts a contiguous
+// slice, thread 0 scans the 1024 partial counts, each thread writes its slice.
+constexpr int kScanThreads = 1024;
+__global__ void ChunkOffsetsKernel(const bool* mask, int64_t nchunks, int32_t* offsets) {
+  __shared__ int32_t partial[kScanThreads + 1];
+  const int64_t per = (nchunks + kScanThreads - 1) / kScanThreads;
+  const int64_t begin = min(nchunks, per * threadIdx.x), end = min(nchunks, begin + per);
+  int32_t count = 0;
+  for (int64_t c = begin; c < end; ++c) count += mask[c] ? 1 : 0;
+  partial[threadIdx.x + 1] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    partial[0] = 0;
+    for (int t = 1; t <= kScanThreads; ++t) partial[t] += partial[t - 1];
+    offsets[nchunks] = partial[kScanThreads];
+  }
+  __syncthreads();
+  int32_t at = partial[threadIdx.x];
+  for (int64_t c = begin; c < end; ++c) {
+    offsets[c] = at;
+    at += mask[c] ? 1 : 0;
+  }
+}
+
+// Blocks walk chunks tile by tile, so the chunk index costs one division per
+// block, and a block of an unselected chunk exits before touching memory.
+template <typename T, bool kPack>
+__global__ void ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask,
+                                const int32_t* offsets, int64_t chunk_size,
+                                int64_t tiles_per_chunk) {
+  const int64_t c = blockIdx.x / tiles_per_chunk;
+  if (!mask[c]) return;
+  const int64_t tile = blockIdx.x % tiles_per_chunk;
+  const size_t chunk_begin = static_cast<size_t>(c) * chunk_size;
+  const size_t packed_begin = static_cast<size_t>(offsets[c]) * chunk_size;
+  const size_t chunk_len = min(static_cast<size_t>(chunk_size), n - chunk_begin);
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const size_t j = static_cast<size_t>(tile) * kTile + k * kThreads + threadIdx.x;
+    if (j < chunk_len) {
+      if (kPack) {
+        dst[packed_begin + j] = src[chunk_begin + j];
+      } else {
+        dst[chunk_begin + j] = src[packed_begin + j];
+      }
+    }
+  }
+}
+
+template <bool kPack>
+Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n, size_t elem_bytes,
+                       const bool* mask, const int32_t* offsets, int64_t chunk_size) {
+  if (n == 0) return Status::Ok();
+  const int64_t nchunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t tiles = (chunk_size + kTile - 1) / kTile;
+  const int64_t blocks = nchunks * tiles;
+  if (blocks > 0x7fffffffLL) {
+    return Status(Code::kInvalidArgument, "jaxcomm: too many chunks for one launch");
+  }
+  const unsigned grid = static_cast<unsigned>(blocks);
+  switch (elem_bytes) {
+    case 2:
+      ChunkCopyKernel<uint16_t, kPack><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), n, mask, offsets,
+          chunk_size, tiles);
+      break;
+    case 4:
+      ChunkCopyKernel<uint32_t, kPack><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), n, mask, offsets,
+          chunk_size, tiles);
+      break;
+    case 8:
+      ChunkCopyKernel<uint64_t, kPack><<<grid, kThreads, 0, stream>>>(
+          static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), n, mask, offsets,
+          chunk_size, tiles);
+      break;
+    default:
+      return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
+  }
+  return FromCuda(cudaGetLastError(), kPack ? "pack chunks" : "unpack chunks");
+}
+
+// One block per chunk; four independent partial sums per thread keep four
+// loads in flight, then a shared-memory tree reduction.
+template <DType T>
+__global__ void ChunkL1NormsKernel(const typename Elem<T>::Storage* x, size_t n, int64_t chunk_size,
+                                   float* norms) {
+  using Acc = std::conditional_t<T == DType::kF64, double, float>;
+  __shared__ Acc shared[kThreads];
+  const size_t begin = static_cast<size_t>(blockIdx.x) * chunk_size;
+  const size_t end = min(n, begin + static_cast<size_t>(chunk_size));
+  Acc sum[kItems] = {};
+  size_t i = begin + threadIdx.x;
+  for (; i + (kItems - 1) * kThreads < end; i += kTile) {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k)
+      sum[k] += fabs(static_cast<Acc>(Elem<T>::Load(x[i + k * kThreads])));
+  }
+  for (; i < end; i += kThreads) sum[0] += fabs(static_cast<Acc>(Elem<T>::Load(x[i])));
+  shared[threadIdx.x] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) norms[blockIdx.x] = static_cast<float>(shared[0]);
+}
+
+}  // namespace
+
+void CudaKernels::Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess && status_.ok()) status_ = FromCuda(err, what);
+}
+
+void CudaKernels::Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
+                          double scale) {
+  if (n == 0) return;
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (dst_type) {
+    case DType::kF32:
+      err = ConvertTo<DType::kF32>(stream_, dst, src, src_type, n, scale);
+      break;
+    case DType::kF16:
+      err = ConvertTo<DType::kF16>(stream_, dst, src, src_type, n, scale);
+      break;
+    case DType::kBF16:
+      err = ConvertTo<DType::kBF16>(stream_, dst, src, src_type, n, scale);
+      break;
+    case DType::kF64:
+      err = ConvertTo<DType::kF64>(stream_, dst, src, src_type, n, scale);
+      break;
+  }
+  Check(err, "convert kernel");
+}
+
+void CudaKernels::Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) {
+  if (n == 0) return;
+  // Accumulators are only ever float32 or float64 (AccumulatorFor).
+  Check(acc_type == DType::kF64 ? AccumulateInto<DType::kF64>(stream_, acc, src, src_type, n)
+                                : AccumulateInto<DType::kF32>(stream_, acc, src, src_type, n),
+        "accumulate kernel");
+}
+
+void CudaKernels::Zero(void* dst, size_t bytes) {
+  if (bytes > 0) Check(cudaMemsetAsync(dst, 0, bytes, stream_), "cudaMemsetAsync");
+}
+
+Status LaunchChunkOffsets(cudaStream_t stream, const bool* mask, int64_t nchunks,
+                          int32_t* offsets) {
+  ChunkOffsetsKernel<<<1, kScanThreads, 0, stream>>>(mask, nchunks, offsets);
+  return FromCuda(cudaGetLastError(), "chunk offsets kernel");
+}
+
+Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t elem_bytes,
+                        const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                        void* packed) {
+  return LaunchChunkCopy<true>(stream, x, packed, n, elem_bytes, mask, offsets, chunk_size);
+}
+
+Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,
+                          const bool* mask, const int32_t* offsets, int64_t chunk_size, void* y) {
+  return LaunchChunkCopy<false>(stream, packed, y, n, elem_bytes, mask, offsets, chunk_size);
+}
+
+Status LaunchChunkL1Norms(cudaStream_t stream, const void* x, DType type, size_t n,
+                          int64_t chunk_size, float* norms) {
+  if (n == 0) return Status::Ok();
+  const int64_t nchunks = (n + chunk_size - 1) / chunk_size;
+  if (nchunks > 0x7fffffffLL) {
+    return Status(Code::kInvalidArgument, "jaxcomm: too many chunks for one launch");
+  }
+  const unsigned grid = static_cast<unsigned>(nchunks);
+  switch (type) {
+    case DType::kF32:
+      ChunkL1NormsKernel<DType::kF32>
+          <<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), n, chunk_size, norms);
+      break;
+    case DType::kF16:
+      ChunkL1NormsKernel<DType::kF16>
+          <<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), n, chunk_size, norms);
+      break;
+    case DType::kBF16:
+      ChunkL1NormsKernel<DType::kBF16><<<grid, kThreads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), n, chunk_size, norms);
+      break;
+    case DType::kF64:
+      ChunkL1NormsKernel<DType::kF64>
+          <<<grid, kThreads, 0, stream>>>(static_cast<const double*>(x), n, chunk_size, norms);
+      break;
+  }
+  return FromCuda(cudaGetLastError(), "chunk L1 norms kernel");
+}
+
+}  // namespace jaxcomm::cuda

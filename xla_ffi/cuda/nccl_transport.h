@@ -1,0 +1,33 @@
+// Transport over one NCCL communicator: a ring step is one grouped
+// ncclSend + ncclRecv on the handler's stream. SendRecv returns once the
+// transfer is enqueued; stream order makes the next kernel see the data.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "common/transport.h"
+#include "cuda/communicators.h"
+
+namespace jaxcomm::cuda {
+
+class NcclTransport final : public Transport {
+ public:
+  // `comm` is one of rc's communicators, in which this rank is `rank` of `size`.
+  NcclTransport(RankComms& rc, ncclComm_t comm, int rank, int size, cudaStream_t stream)
+      : rc_(rc), comm_(comm), rank_(rank), size_(size), stream_(stream) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Status SendRecv(const void* send, size_t send_bytes, int to, void* recv, size_t recv_bytes,
+                  int from) override;
+
+ private:
+  RankComms& rc_;
+  ncclComm_t comm_;
+  int rank_;
+  int size_;
+  cudaStream_t stream_;
+};
+
+}  // namespace jaxcomm::cuda
