@@ -22,6 +22,9 @@ def set_ffi_timeout(seconds: float) -> None:
     if not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be positive")
     _ext().set_timeout(float(seconds))
+    cuda = _ffi._cuda_extension()
+    if cuda is not None:  # NCCL set-up and collectives: abort the communicator after this
+        cuda.set_timeout(float(seconds))
 
 
 def get_ffi_timeout() -> float:

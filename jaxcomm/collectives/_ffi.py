@@ -39,14 +39,65 @@ def _extension():
 
 
 @functools.cache
+def _cuda_extension():
+    """The CUDA/NCCL module, or None: not built, or no GPU to run it on."""
+    try:
+        if not jax.devices("gpu"):
+            return None
+    except RuntimeError:  # no GPU backend in this jax
+        return None
+    try:
+        from jaxcomm import _ffi_cuda
+    except ImportError:
+        return None
+    return _ffi_cuda
+
+
+@functools.cache
 def _register() -> frozenset:
     """Registers the handlers with XLA once; returns the platforms served."""
+    platforms = set()
     ext = _extension()
-    if ext is None:
-        return frozenset()
-    for name, capsule in ext.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    return frozenset({"cpu"})
+    if ext is not None:
+        for name, capsule in ext.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        platforms.add("cpu")
+    cuda = _cuda_extension()
+    if cuda is not None:
+        for name, capsule in cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        platforms.add("gpu")
+    return frozenset(platforms)
+
+
+def _op_id(place: AxisPlacement) -> np.int64:
+    """A fresh call-site id. On GPU with several processes, also shares one
+    NCCL unique id per group of this site through the jax.distributed
+    key-value store, before the first call needs it. Every process traces
+    the same program, so the counters agree across processes."""
+    op_id = next(_op_ids)
+    if jax.process_count() > 1 and jax.default_backend() == "gpu" and available("gpu"):
+        _share_nccl_ids(op_id, jax.device_count() // place.size)
+    return np.int64(op_id)
+
+
+def _share_nccl_ids(op_id: int, ngroups: int, timeout_ms: int = 300_000) -> None:
+    from jax._src.distributed import global_state  # the client jax.distributed set up
+
+    client = global_state.client
+    if client is None:
+        raise RuntimeError(
+            "backend='ffi' on several GPU processes needs jax.distributed.initialize"
+        )
+    cuda = _cuda_extension()
+    for group in range(ngroups):
+        key = f"jaxcomm/nccl/{op_id}/{group}"
+        if jax.process_index() == 0:
+            raw = cuda.nccl_unique_id()
+            client.key_value_set(key, raw.hex())
+        else:
+            raw = bytes.fromhex(client.blocking_key_value_get(key, timeout_ms))
+        cuda.register_unique_id(op_id, group, raw)
 
 
 def available(platform: str | None = None) -> bool:
@@ -110,7 +161,7 @@ def allreduce(
         x,
         _coords(place),
         mask,
-        op_id=np.int64(next(_op_ids)),
+        op_id=_op_id(place),
         algorithm=np.int32(ALGORITHM_CODES[algorithm]),
         nranks=np.int32(place.size),
         intra_size=np.int32(intra_size),
@@ -128,7 +179,7 @@ def reduce_scatter(x, place: AxisPlacement, *, wire, prescale, postscale):
     return call(
         x,
         _coords(place),
-        op_id=np.int64(next(_op_ids)),
+        op_id=_op_id(place),
         nranks=np.int32(place.size),
         wire_dtype=_wire_code(wire, x.dtype),
         prescale=np.float64(prescale),
@@ -142,7 +193,7 @@ def all_gather(x, place: AxisPlacement, *, wire):
     return call(
         x,
         _coords(place),
-        op_id=np.int64(next(_op_ids)),
+        op_id=_op_id(place),
         nranks=np.int32(place.size),
         wire_dtype=_wire_code(wire, x.dtype),
     )
