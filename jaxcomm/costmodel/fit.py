@@ -96,20 +96,25 @@ def measure_allreduce(
     algorithm: str = "auto",
     reps: int = 10,
     warmup: int = 2,
+    statistic: str = "median",
 ) -> list[float]:
-    """Median seconds of a float32 sum ``jaxcomm.allreduce`` over all devices, per size.
+    """Seconds of a float32 sum ``jaxcomm.allreduce`` over all devices, per size.
 
     Each size gets its own ``jax.jit(jax.shard_map(...))`` over a 1-D mesh of
-    ``jax.devices()``. Every call is waited for (``block_until_ready``) before
-    the next starts: only one step is ever in flight, which XLA's CPU
-    collectives require.
+    ``jax.devices()``. The sizes are timed in interleaved rounds (one call of
+    every size per round, the order rotated each round), so that a passing
+    burst of other work on the machine disturbs all sizes alike rather than
+    one. Every call is waited for (``block_until_ready``) before the next
+    starts: only one step is ever in flight, which XLA's CPU collectives require.
 
     Args:
       nbytes: message size per device, a multiple of 4 bytes.
       backend: ``jaxcomm.allreduce``'s backend.
       algorithm: ``jaxcomm.allreduce``'s algorithm.
-      reps: timed calls per size (the median is returned).
-      warmup: untimed calls per size after compiling.
+      reps: timed rounds.
+      warmup: untimed rounds after compiling.
+      statistic: ``"median"`` or ``"min"`` of each size's timed calls (the
+        minimum is the undisturbed time on a shared machine).
     """
     import jax
     from jax.sharding import NamedSharding
@@ -119,6 +124,12 @@ def measure_allreduce(
 
     if reps < 1:
         raise ValueError(f"reps={reps} must be >= 1")
+    reduce = {"median": statistics.median, "min": min}.get(statistic)
+    if reduce is None:
+        raise ValueError(f"statistic={statistic!r} must be 'median' or 'min'")
+    for size in nbytes:
+        if size <= 0 or size % 4:
+            raise ValueError(f"size {size} must be a positive multiple of 4 bytes")
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,))
     fn = jax.jit(
@@ -129,23 +140,20 @@ def measure_allreduce(
             out_specs=P(AXIS),
         )
     )
-    medians = []
-    for size in nbytes:
-        if size <= 0 or size % 4:
-            raise ValueError(f"size {size} must be a positive multiple of 4 bytes")
-        x = jax.device_put(
-            np.ones(len(devices) * (size // 4), np.float32), NamedSharding(mesh, P(AXIS))
-        )
-        for _ in range(warmup + 1):
-            jax.block_until_ready(fn(x))
-        samples = []
-        for _ in range(reps):
+    sharding = NamedSharding(mesh, P(AXIS))
+    inputs = [
+        jax.device_put(np.ones(len(devices) * (size // 4), np.float32), sharding) for size in nbytes
+    ]
+    samples: list[list[float]] = [[] for _ in inputs]
+    for round_ in range(warmup + 1 + reps):
+        # Rotate the order each round, so no size is always the one after the largest.
+        for k in range(len(inputs)):
+            i = (k + round_) % len(inputs)
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            samples.append(time.perf_counter() - t0)
-        medians.append(statistics.median(samples))
-        del x
-    return medians
+            jax.block_until_ready(fn(inputs[i]))
+            if round_ > warmup:  # round 0 compiles
+                samples[i].append(time.perf_counter() - t0)
+    return [reduce(times) for times in samples]
 
 
 def fit_cluster(
