@@ -11,9 +11,11 @@ from jaxcomm.collectives import all_gather, allreduce, reduce_scatter
 from jaxcomm.collectives._ffi import available as ffi_available
 from jaxcomm.transforms import (
     AllReduceGradientsState,
+    ChunkSparseState,
     CommStats,
     PerDevice,
     allreduce_gradients,
+    chunk_sparse,
     get_stats,
     plan_buckets,
     state_specs,
@@ -23,9 +25,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceGradientsState",
+    "ChunkSparseState",
     "CommStats",
     "PerDevice",
     "allreduce_gradients",
+    "chunk_sparse",
     "get_stats",
     "plan_buckets",
     "state_specs",

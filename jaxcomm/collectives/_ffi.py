@@ -150,12 +150,16 @@ def allreduce(
     chunk_mask=None,
     chunk_size=1,
     intra_size=1,
+    replicated=False,
 ):
-    """Flat 1-D allreduce in one custom call (mask: pack, reduce, unpack inside)."""
+    """Flat 1-D allreduce in one custom call (mask: pack, reduce, unpack inside).
+
+    A masked result is typed replicated only when the caller zeroed the
+    unselected chunks (`replicated=True`); otherwise they keep local values.
+    """
     require()
     mask = jnp.zeros((0,), jnp.bool_) if chunk_mask is None else chunk_mask
-    # Unselected chunks keep local values, so a masked result is not replicated.
-    replicated = place.axes if chunk_mask is None else ()
+    replicated = place.axes if (chunk_mask is None or replicated) else ()
     call = jax.ffi.ffi_call("jaxcomm_allreduce", _result(x, x.shape, replicated))
     return call(
         x,

@@ -30,6 +30,7 @@ def allreduce(
     chunk_mask=None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_chunks: int | None = None,
+    unselected: str = "local",
 ):
     """Sums (or averages) ``x`` over the devices of ``axis_name``.
 
@@ -89,14 +90,22 @@ def allreduce(
     axes = place.axes
     algorithm = resolve_algorithm(algorithm, backend, axes)
     shape = jnp.shape(x)
+    _checks.check_choice("unselected", unselected, ("local", "zero"))
+    zero = chunk_mask is not None and unselected == "zero"
+    if chunk_mask is not None:
+        chunk_mask = jnp.asarray(chunk_mask)
+        nchunks = _checks.check_chunking(chunk_mask, chunk_size, flat.size, max_chunks)
+        if zero:
+            # Zeroed before the call, so the custom call's result is the same
+            # on every device and the xla path unpacks into zeros.
+            selected = jnp.repeat(chunk_mask, chunk_size, total_repeat_length=nchunks * chunk_size)
+            flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every
         # backend and schedule agrees on this.
         return _xla.from_wire(flat, dtype, prescale * postscale).reshape(shape)
 
     if chunk_mask is not None:
-        chunk_mask = jnp.asarray(chunk_mask)
-        nchunks = _checks.check_chunking(chunk_mask, chunk_size, flat.size, max_chunks)
         if backend == "ffi":
             y = _ffi.allreduce(
                 flat,
@@ -108,6 +117,7 @@ def allreduce(
                 chunk_mask=chunk_mask,
                 chunk_size=chunk_size,
                 intra_size=_intra_size(place),
+                replicated=zero,
             )
         else:
             reduce = _XLA_ALGORITHMS[algorithm]
@@ -118,6 +128,7 @@ def allreduce(
                 nchunks,
                 max_chunks,
                 lambda v: reduce(v, place, wire, prescale, postscale),
+                zero=zero,
             )
         return y.reshape(shape)
 
@@ -147,16 +158,18 @@ def _intra_size(place) -> int:
     return place.shape[-1] if len(place.axes) == 2 else 1
 
 
-def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce):
-    """Reduces only the selected chunks of `flat` with the xla backend."""
+def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
+    """Reduces only the selected chunks of `flat` with the xla backend; the
+    others keep their local values, or zeros (then the result is replicated)."""
     n = flat.size
     chunks = jnp.pad(flat, (0, nchunks * chunk_size - n)).reshape(nchunks, chunk_size)
+    rest = jnp.zeros_like(chunks) if zero else chunks
     if max_chunks is None:
         reduced = reduce(chunks.reshape(-1)).reshape(nchunks, chunk_size)
-        out = jnp.where(mask[:, None], reduced, chunks)
+        out = jnp.where(mask[:, None], reduced, rest)
     else:
         index = jnp.nonzero(mask, size=max_chunks, fill_value=nchunks)[0]
         packed = chunks.at[index].get(mode="fill", fill_value=0)
         reduced = reduce(packed.reshape(-1)).reshape(max_chunks, chunk_size)
-        out = chunks.at[index].set(reduced, mode="drop")
+        out = rest.at[index].set(reduced, mode="drop")
     return out.reshape(-1)[:n]

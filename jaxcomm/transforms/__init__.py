@@ -2,6 +2,7 @@
 
 from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
+from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.allreduce_gradients import (
     DEFAULT_BUCKET_BYTES,
     AllReduceGradientsState,
@@ -11,9 +12,11 @@ from jaxcomm.transforms.allreduce_gradients import (
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AllReduceGradientsState",
+    "ChunkSparseState",
     "CommStats",
     "PerDevice",
     "allreduce_gradients",
+    "chunk_sparse",
     "get_stats",
     "plan_buckets",
     "state_specs",

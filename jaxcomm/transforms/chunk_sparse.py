@@ -1,0 +1,338 @@
+"""chunk_sparse: coarse-grained sparse communication (GradientFlow, Algorithm 1).
+
+The gradient pool (all leaves, flattened, in the order backward produces
+them) is cut into chunks of ``chunk_size`` elements. Each step only the
+important chunks (a mask every device agrees on) are packed into one dense
+buffer and allreduced; the rest stay in a per-device residual, decayed by
+``residual_decay`` (momentum correction). The wrapped optimizer updates the
+important chunks only; its parameter-shaped state is held on the others.
+The mask for the next step is the top ``density`` fraction of chunks by
+allreduced L1 norm; density ramps from 1 to its final value during warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomm.collectives import _axes, _checks, _frontend
+from jaxcomm.collectives.allreduce import allreduce
+from jaxcomm.transforms import _state
+
+
+class ChunkSparseState(NamedTuple):
+    """State of :func:`chunk_sparse`.
+
+    Attributes:
+      inner: the wrapped optimizer's state (same on every device).
+      residual: ``PerDevice`` flat pool of what this device has not sent.
+      mask: bool[chunks], the chunks exchanged at the next step.
+      count: int32, steps taken (skipped non-finite steps do not count).
+      stats: :class:`jaxcomm.CommStats` of the last step.
+    """
+
+    inner: Any
+    residual: _state.PerDevice
+    mask: jax.Array
+    count: jax.Array
+    stats: _state.CommStats
+
+
+def chunk_sparse(
+    inner: optax.GradientTransformation,
+    axis_name,
+    *,
+    density: float,
+    chunk_size: int = _frontend.DEFAULT_CHUNK_SIZE,
+    warmup_steps: int = 0,
+    residual_decay: float = 0.9,
+    wire_dtype=None,
+    algorithm: str = "auto",
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+    """Exchanges only the most important chunks of the gradient, then runs ``inner``.
+
+    Give it each device's local gradients inside ``jax.shard_map`` or
+    ``jax.pmap``; it replaces a dense ``allreduce_gradients`` in front of the
+    optimizer. With ``inner=optax.sgd(lr, momentum=0.9)`` and
+    ``residual_decay=0.9`` it is GradientFlow's Algorithm 1.
+
+    Each step:
+
+    1. ``g <- g + residual``.
+    2. The chunks in the mask are packed and averaged over devices in one
+       collective (``backend="ffi"`` packs inside the custom call; ``"xla"``
+       packs with a static bound, the final density, after warm-up and all
+       chunks during it).
+    3. ``inner`` sees the averaged important chunks (zeros elsewhere); its
+       update is kept on important chunks and is zero on the others, whose
+       parameter-shaped optimizer state is held unchanged.
+    4. ``residual <- 0`` on important chunks, ``residual_decay * g`` elsewhere.
+    5. Each device takes the L1 norm of every chunk of ``g`` (important
+       chunks already hold the average, so their norm is divided by N), the
+       norms are summed over devices, and the top ``density(t+1)`` fraction
+       becomes the next mask (ties go to the earlier chunk).
+
+    The first step exchanges every chunk; ``density(t)`` goes linearly from 1
+    at step 0 to ``density`` at ``warmup_steps``. A step whose averaged
+    chunks or norms are not finite is skipped on every device: zero update,
+    state unchanged, ``stats.nonfinite`` set.
+
+    Args:
+      inner: the optimizer to run on the exchanged gradient. Parameter-shaped
+        leaves of its state are held on unimportant chunks; it sees zeros
+        there, so transformations like ``clip_by_global_norm`` see only the
+        exchanged part.
+      axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
+      density: final fraction of chunks exchanged, in (0, 1].
+      chunk_size: elements per chunk (GradientFlow uses 32768).
+      warmup_steps: steps over which density ramps from 1 to ``density``.
+      residual_decay: factor on the unsent gradient kept for the next step
+        (momentum correction), in [0, 1].
+      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
+        exchanged chunks (prescaled by 1/N).
+      algorithm: as in :func:`jaxcomm.allreduce`.
+      backend: ``"auto"`` (ffi where available: only the selected chunks
+        travel), ``"ffi"`` or ``"xla"``.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`ChunkSparseState`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomm
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tx = jaxcomm.chunk_sparse(optax.sgd(0.1, momentum=0.9), "data",
+      ...                           density=0.25, chunk_size=4)
+      >>> params = {"w": jnp.zeros(16)}
+      >>> with jax.set_mesh(mesh):
+      ...     state = tx.init(params)
+      >>> specs = jaxcomm.state_specs(state, "data")
+      >>> def step(params, state, g):
+      ...     updates, state = tx.update({"w": g[0]}, state, params)
+      ...     return optax.apply_updates(params, updates), state
+      >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+      ...                             out_specs=(P(), specs)))
+      >>> g = jnp.tile(jnp.arange(16.0), (jax.device_count(), 1))
+      >>> g = jax.device_put(g, jax.sharding.NamedSharding(mesh, P("data")))
+      >>> state = jax.device_put(state, jax.tree.map(
+      ...     lambda s: jax.sharding.NamedSharding(mesh, s), specs))
+      >>> params, state = run(params, state, g)  # step 0: every chunk travels
+      >>> state.mask.tolist()  # the chunk with the largest norm goes next
+      [False, False, False, True]
+      >>> float(jaxcomm.get_stats(state).density)
+      1.0
+    """
+    _check_options(density, chunk_size, warmup_steps, residual_decay)
+    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
+    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    wire = _checks.check_wire_dtype(wire_dtype)
+    axes = _axes.normalize(axis_name)
+
+    def init(params):
+        leaves = jax.tree.leaves(params)
+        pool = _pool_dtype(leaves)
+        size = sum(int(np.size(x)) for x in leaves)
+        nchunks = max(1, -(-size // chunk_size))
+        rows = _state.devices_on(axes)[0]
+        return ChunkSparseState(
+            inner=inner.init(params),
+            residual=_state.PerDevice(jnp.zeros((rows, size), pool)),
+            mask=jnp.ones((nchunks,), jnp.bool_),
+            count=jnp.int32(0),
+            stats=_state.empty_stats(),
+        )
+
+    def update(updates, state, params=None):
+        leaves, treedef = jax.tree.flatten(updates)
+        for i, leaf in enumerate(leaves):
+            _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
+        place = _axes.placement(axes)
+        be = _frontend.resolve_backend(backend, masked=True)
+        size = sum(int(np.size(x)) for x in leaves)
+        nchunks = state.mask.shape[0]
+
+        g = _to_pool(leaves, _pool_dtype(leaves)) + _state.local(state.residual)
+        elem_mask = _elements(state.mask, chunk_size, size)
+        # Important chunks averaged (the same on every device), zeros elsewhere.
+        exchanged, payload = _exchange(
+            g, state.mask, axes, chunk_size, density, be, wire=wire, algorithm=algorithm
+        )
+        unsent = jnp.where(elem_mask, jnp.zeros((), g.dtype), g)
+        residual = (residual_decay * unsent).astype(g.dtype)
+
+        # Next mask from the summed per-chunk L1 norms (one small collective).
+        # An important chunk holds the average on every device: count it once.
+        norms = (
+            _chunk_l1(unsent, nchunks, chunk_size)
+            + _chunk_l1(exchanged, nchunks, chunk_size) / place.size
+        )
+        norms = allreduce(norms, axes, op="sum", backend=be)
+        next_density = _density(state.count + 1, density, warmup_steps)
+        next_mask = _top_chunks(norms, next_density)
+
+        nonfinite = ~jnp.all(jnp.isfinite(exchanged)) | ~jnp.all(jnp.isfinite(norms))
+        grads = jax.tree.unflatten(treedef, _from_pool(exchanged, leaves))
+        masks = jax.tree.unflatten(treedef, _from_pool(elem_mask, leaves))
+        upd, inner_state = inner.update(grads, state.inner, params)
+        upd = jax.tree.map(lambda u, m: jnp.where(m, u, jnp.zeros_like(u)), upd, masks)
+        inner_state = _hold_unselected(inner_state, state.inner, masks)
+
+        norm_payload = nchunks * 4
+        stats = _state.CommStats(
+            payload_bytes=(payload + norm_payload).astype(jnp.float32),
+            bytes_sent=_state.wire_bytes(payload, place.shape, _flat_or(algorithm))
+            + _state.wire_bytes(norm_payload, place.shape, _flat_or(algorithm)),
+            collectives=jnp.int32(2),
+            density=jnp.mean(state.mask.astype(jnp.float32)),
+            nonfinite=nonfinite,
+        )
+        new = ChunkSparseState(
+            inner=inner_state,
+            residual=_state.as_row(residual),
+            mask=next_mask,
+            count=state.count + 1,
+            stats=stats,
+        )
+        # A non-finite step is skipped everywhere: every device sees the same
+        # averaged chunks and norms, so they all take this branch.
+        kept = state._replace(stats=stats)
+        new = jax.tree.map(lambda a, b: jnp.where(nonfinite, a, b), kept, new)
+        upd = jax.tree.map(lambda u: jnp.where(nonfinite, jnp.zeros_like(u), u), upd)
+        return upd, new
+
+    return optax.GradientTransformation(init, update)
+
+
+def _check_options(density, chunk_size, warmup_steps, residual_decay) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"density={density!r} must be in (0, 1]")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
+    if not isinstance(residual_decay, (int, float)) or not 0 <= residual_decay <= 1:
+        raise ValueError(f"residual_decay={residual_decay!r} must be in [0, 1]")
+
+
+def _flat_or(algorithm: str) -> str:
+    return "hierarchical" if algorithm == "hierarchical" else "flat"
+
+
+def _pool_dtype(leaves):
+    wide = [
+        np.dtype(jnp.result_type(x)) for x in leaves if np.dtype(jnp.result_type(x)).itemsize > 4
+    ]
+    return jnp.float64 if wide else jnp.float32
+
+
+def _to_pool(leaves, dtype):
+    """Leaves in the order backward produces them (reverse tree order), flat."""
+    parts = [jnp.ravel(x).astype(dtype) for x in reversed(leaves)]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+
+
+def _from_pool(pool, leaves):
+    out, offset = [None] * len(leaves), 0
+    for i in reversed(range(len(leaves))):
+        n = int(np.size(leaves[i]))
+        part = pool[offset : offset + n].reshape(jnp.shape(leaves[i]))
+        out[i] = part if part.dtype == jnp.bool_ else part.astype(jnp.result_type(leaves[i]))
+        offset += n
+    return out
+
+
+def _elements(mask, chunk_size: int, size: int):
+    return jnp.repeat(mask, chunk_size, total_repeat_length=mask.shape[0] * chunk_size)[:size]
+
+
+def _density(step, final: float, warmup: int):
+    """1 at step 0, then linearly to `final` at `warmup` (final from step 1 when warmup is 0)."""
+    if warmup == 0:
+        return jnp.where(step == 0, 1.0, final).astype(jnp.float32)
+    frac = jnp.minimum(step, warmup).astype(jnp.float32) / warmup
+    return (1.0 + (final - 1.0) * frac).astype(jnp.float32)
+
+
+def _selected(density, nchunks: int):
+    """How many chunks a density selects: ceil, at least one."""
+    k = jnp.ceil(density * nchunks - 1e-6).astype(jnp.int32)
+    return jnp.clip(k, 1, nchunks)
+
+
+def _top_chunks(norms, density):
+    nchunks = norms.shape[0]
+    k = _selected(density, nchunks)
+    # Stable order by decreasing norm: ties go to the earlier chunk.
+    order = jnp.argsort(-norms, stable=True)
+    rank = jnp.zeros((nchunks,), jnp.int32).at[order].set(jnp.arange(nchunks, dtype=jnp.int32))
+    return rank < k
+
+
+def _chunk_l1(pool, nchunks: int, chunk_size: int):
+    a = jnp.abs(pool.astype(jnp.float32))
+    return jnp.pad(a, (0, nchunks * chunk_size - a.size)).reshape(nchunks, chunk_size).sum(1)
+
+
+def _exchange(g, mask, axes, chunk_size, density, backend, *, wire, algorithm):
+    """Averages the masked chunks of g over the devices (zeros elsewhere);
+    returns the result and the payload bytes this device sent."""
+    size, nchunks = g.size, mask.shape[0]
+    itemsize = (np.dtype(g.dtype) if wire is None else wire).itemsize
+    opts = dict(
+        op="mean",
+        wire_dtype=wire,
+        algorithm=algorithm,
+        backend=backend,
+        chunk_size=chunk_size,
+        unselected="zero",
+    )
+    if backend == "ffi":
+        lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
+        payload = jnp.sum(jnp.where(mask, lengths, 0)) * itemsize
+        return allreduce(g, axes, chunk_mask=mask, **opts), payload
+    # xla packs under a static bound: the final density's chunk count, or
+    # (during warm-up and at step 0) all chunks.
+    bound = int(math.ceil(density * nchunks - 1e-6)) if nchunks else 1
+    bound = min(max(bound, 1), nchunks)
+    if bound == nchunks:
+        return allreduce(g, axes, chunk_mask=mask, **opts), jnp.int32(
+            nchunks * chunk_size * itemsize
+        )
+    many = jnp.sum(mask) > bound
+    reduced = lax.cond(
+        many,
+        lambda v: allreduce(v, axes, chunk_mask=mask, **opts),
+        lambda v: allreduce(v, axes, chunk_mask=mask, max_chunks=bound, **opts),
+        g,
+    )
+    payload = jnp.where(many, nchunks, bound) * chunk_size * itemsize
+    return reduced, payload
+
+
+def _hold_unselected(new, old, masks):
+    """Parameter-shaped parts of the inner state take the new value only on
+    selected elements; everything else (counts, schedules) takes the new value."""
+    param_def = jax.tree.structure(masks)
+    shapes = [m.shape for m in jax.tree.leaves(masks)]
+
+    def is_param_shaped(node):
+        try:
+            if jax.tree.structure(node) != param_def:
+                return False
+        except Exception:  # noqa: BLE001 - not a pytree we can compare
+            return False
+        return [jnp.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+    def hold(n, o):
+        if is_param_shaped(n):
+            return jax.tree.map(lambda a, b, m: jnp.where(m, a, b), n, o, masks)
+        return n
+
+    return jax.tree.map(hold, new, old, is_leaf=is_param_shaped)
