@@ -2,12 +2,12 @@
 
 from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
-from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.allreduce_gradients import (
     DEFAULT_BUCKET_BYTES,
     AllReduceGradientsState,
     allreduce_gradients,
 )
+from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
