@@ -135,3 +135,16 @@ def test_plan_bad_input():
         plan([], pcie_infiniband(nodes=2))
     with pytest.raises(ValueError):
         plan([(4,)], pcie_infiniband(nodes=2), wire_dtypes=())
+
+
+def test_fit_cluster_builds_a_one_node_cluster(monkeypatch):
+    from jaxcomm.costmodel import fit as fit_module
+
+    def synthetic(nbytes, **kwargs):
+        return [_ring(n, 8, 10e-6, 1e-9) for n in nbytes]
+
+    monkeypatch.setattr(fit_module, "measure_allreduce", synthetic)
+    cluster, f = fit_module.fit_cluster([4096, 1 << 20, 1 << 22])
+    assert (cluster.nodes, cluster.gpus_per_node) == (1, 8)
+    assert f.alpha == pytest.approx(10e-6) and f.beta == pytest.approx(1e-9)
+    assert cluster.allreduce_time(1 << 20) == pytest.approx(_ring(1 << 20, 8, 10e-6, 1e-9))
