@@ -5,7 +5,8 @@
 * :func:`simulate`: iteration time, throughput, speedup and scaling efficiency of
   one data-parallel step under jaxcomm's settings (fusion, wire dtype, overlap,
   double buffering, chunk-sparse density).
-* :mod:`~jaxcomm.costmodel.profiles`: ResNet-50 and AlexNet-BN profiles from Flax models.
+* :mod:`~jaxcomm.costmodel.profiles`: ResNet-50 and AlexNet-BN profiles from Flax models
+  (imported on first use: flax is an optional dependency).
 * :func:`fit_alpha_beta`, :func:`measure_allreduce`, :func:`fit_cluster`: fit α and β
   to allreduce times measured on the live mesh.
 * :func:`plan`: recommends bucket size, algorithm and wire dtype with the predicted
@@ -20,8 +21,19 @@ from jaxcomm.costmodel.alphabeta import (
 from jaxcomm.costmodel.cluster import Cluster, cpu_host, nvlink_ethernet, pcie_infiniband
 from jaxcomm.costmodel.fit import LinkFit, fit_alpha_beta, fit_cluster, measure_allreduce
 from jaxcomm.costmodel.plan import Plan, plan
-from jaxcomm.costmodel.profiles import ModelProfile, alexnet_bn, resnet50
 from jaxcomm.costmodel.simulator import GradientTensor, Result, Settings, Workload, simulate
+
+_PROFILE_NAMES = ("ModelProfile", "alexnet_bn", "resnet50")
+
+
+def __getattr__(name):
+    # Profiles need flax, which jaxcomm itself does not depend on.
+    if name in _PROFILE_NAMES:
+        from jaxcomm.costmodel import profiles
+
+        return getattr(profiles, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Cluster",
