@@ -1,0 +1,337 @@
+"""The CUDA backend (xla_ffi/cuda): kernels against NumPy, NCCL collectives on
+one rank for every wire dtype, and a training step with backend="ffi" matching
+backend="xla".
+
+Needs a CUDA GPU, jax's CUDA plugin, and jaxcomm built with the CUDA module
+(``jaxcomm._ffi_cuda``; see README). One GPU is enough: a one-rank NCCL
+communicator still runs the whole handler (communicator set-up, hierarchical
+split, the ncclAllReduce path, mask pack/unpack). Tests over several GPUs run
+where the machine has them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.collectives import _ffi
+from jaxcomm.collectives._axes import placement
+
+pytestmark = pytest.mark.gpu
+
+FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _enough_devices():
+    """Overrides conftest's 8-device rule: these tests need one GPU, and the
+    CUDA module built (a GPU machine without it is a broken install)."""
+    assert _ffi.available("gpu"), (
+        "a GPU is present but jaxcomm._ffi_cuda did not load: rebuild with nvcc and "
+        "nvidia-nccl-cu13 installed (JAXCOMM_CUDA=1 pip install --no-build-isolation -e .)"
+    )
+
+
+def _call(name, out, *args, **attrs):
+    return jax.jit(lambda *a: jax.ffi.ffi_call(name, out)(*a, **attrs))(*args)
+
+
+def _random(n, dtype, seed=0):
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 3
+    return x.astype(dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8)
+
+
+# --- kernels against NumPy -----------------------------------------------
+
+
+@pytest.mark.parametrize("src", FLOATS)
+@pytest.mark.parametrize("dst", FLOATS)
+@pytest.mark.parametrize("scale", [1.0, 0.125, 3.0])
+def test_cast_matches_numpy_bitwise(src, dst, scale):
+    x = _random(100_003, src)
+    y = _call(
+        "jaxcomm_cast", jax.ShapeDtypeStruct(x.shape, dst), jnp.asarray(x), scale=np.float64(scale)
+    )
+    # float32 arithmetic, one round-to-nearest-even into dst: what the CPU loops do.
+    expected = (x.astype(np.float32) * np.float32(scale)).astype(dst)
+    np.testing.assert_array_equal(_bits(y), _bits(expected))
+
+
+def test_cast_rounds_ties_to_even_and_overflows_to_inf():
+    x = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65520.0, -65520.0, 65519.0], np.float32)
+    y = _call("jaxcomm_cast", jax.ShapeDtypeStruct(x.shape, jnp.float16), x, scale=np.float64(1))
+    np.testing.assert_array_equal(np.asarray(y), x.astype(np.float16))
+    assert np.isinf(np.asarray(y)[2:4]).all()
+
+
+def _mask(nchunks, seed):
+    mask = np.random.default_rng(seed).random(nchunks) < 0.5
+    mask[0] = True
+    return mask
+
+
+def _packed_reference(x, mask, chunk_size):
+    chunks = [x[c * chunk_size : (c + 1) * chunk_size] for c in range(len(mask))]
+    packed = np.concatenate([c for c, m in zip(chunks, mask, strict=True) if m])
+    return np.concatenate([packed, np.zeros(x.size - packed.size, x.dtype)])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n,chunk_size", [(1000, 64), (100_000, 3000), (70_000, 32768)])
+@pytest.mark.parametrize("last_selected", [False, True])
+def test_pack_and_unpack_chunks_match_numpy(dtype, n, chunk_size, last_selected):
+    x = _random(n, dtype, seed=1)
+    nchunks = -(-n // chunk_size)
+    mask = _mask(nchunks, seed=n)
+    mask[-1] = last_selected
+    like = jax.ShapeDtypeStruct(x.shape, dtype)
+    packed = _call("jaxcomm_pack_chunks", like, x, mask, chunk_size=np.int64(chunk_size))
+    np.testing.assert_array_equal(_bits(packed), _bits(_packed_reference(x, mask, chunk_size)))
+
+    base = _random(n, dtype, seed=2)
+    y = _call("jaxcomm_unpack_chunks", like, packed, base, mask, chunk_size=np.int64(chunk_size))
+    expected = base.copy()
+    for c in np.flatnonzero(mask):
+        expected[c * chunk_size : (c + 1) * chunk_size] = x[c * chunk_size : (c + 1) * chunk_size]
+    np.testing.assert_array_equal(_bits(y), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n,chunk_size", [(1000, 64), (1_000_001, 32768), (5, 1)])
+def test_chunk_norms_match_numpy(dtype, n, chunk_size):
+    x = _random(n, dtype, seed=3)
+    nchunks = -(-n // chunk_size)
+    norms = _call(
+        "jaxcomm_chunk_norms",
+        jax.ShapeDtypeStruct((nchunks,), jnp.float32),
+        x,
+        chunk_size=np.int64(chunk_size),
+    )
+    padded = np.zeros(nchunks * chunk_size, np.float64)
+    padded[:n] = np.abs(x.astype(np.float64))
+    expected = padded.reshape(nchunks, chunk_size).sum(1)
+    np.testing.assert_allclose(np.asarray(norms), expected, rtol=1e-5)
+
+
+def test_kernel_errors_come_back_as_exceptions():
+    x = jnp.ones(10, jnp.float32)
+    with pytest.raises(Exception, match="chunk_size <= 0"):
+        _call(
+            "jaxcomm_chunk_norms",
+            jax.ShapeDtypeStruct((1,), jnp.float32),
+            x,
+            chunk_size=np.int64(0),
+        )
+
+
+# --- NCCL collectives on one rank ------------------------------------------
+
+
+def _one_gpu(fn, *arrays):
+    """Runs fn inside shard_map over a one-GPU mesh axis 'x'."""
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+    spec = P("x")
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
+    return jax.tree.map(np.asarray, f(*args))
+
+
+ALGORITHMS = [("ring", 1), ("hierarchical", 1), ("direct", 1)]
+
+
+@pytest.mark.parametrize("algorithm,intra", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("wire", FLOATS)
+def test_one_rank_allreduce_each_wire_dtype(algorithm, intra, dtype, wire):
+    x = _random(4099, dtype, seed=4)
+
+    def fn(v):
+        return _ffi.allreduce(
+            v,
+            placement("x"),
+            algorithm=algorithm,
+            wire=np.dtype(wire),
+            prescale=0.25,
+            postscale=1.0,
+            intra_size=intra,
+        )
+
+    for _ in range(2):  # the second call reuses the cached communicator
+        y = _one_gpu(fn, x)
+        # One rank: nothing travels, so nothing is rounded to the wire dtype.
+        expected = (x.astype(np.float32) * np.float32(0.25)).astype(dtype)
+        np.testing.assert_array_equal(_bits(y), _bits(expected))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("wire", FLOATS)
+def test_one_rank_masked_allreduce(algorithm, wire):
+    n, chunk_size = 10_000, 512
+    x = _random(n, np.float32, seed=5)
+    mask = _mask(-(-n // chunk_size), seed=6)
+
+    def fn(v, m):
+        return _ffi.allreduce(
+            v,
+            placement("x"),
+            algorithm=algorithm,
+            wire=np.dtype(wire),
+            prescale=1.0,
+            postscale=0.5,
+            chunk_mask=m,
+            chunk_size=chunk_size,
+        )
+
+    y = _one_gpu(fn, x, mask)
+    scaled = np.repeat(mask, chunk_size)[:n]
+    np.testing.assert_array_equal(y, np.where(scaled, x * np.float32(0.5), x))
+
+
+@pytest.mark.parametrize("wire", FLOATS)
+def test_one_rank_reduce_scatter_and_all_gather(wire):
+    x = _random(777, np.float32, seed=7)
+
+    def fn(v):
+        place = placement("x")
+        rs = _ffi.reduce_scatter(v, place, wire=np.dtype(wire), prescale=2.0, postscale=1.0)
+        ag = _ffi.all_gather(v, place, wire=np.dtype(wire))
+        return rs, ag.reshape(-1)
+
+    rs, ag = _one_gpu(fn, x)
+    np.testing.assert_array_equal(rs, x * 2)
+    # all_gather sends its own block through the wire dtype too (bitwise-equal ranks).
+    np.testing.assert_array_equal(ag, x.astype(wire).astype(np.float32))
+
+
+def test_bad_algorithm_code_is_an_error_not_a_crash():
+    x = jnp.ones(8, jnp.float32)
+
+    def fn(v):
+        call = jax.ffi.ffi_call("jaxcomm_allreduce", jax.ShapeDtypeStruct(v.shape, v.dtype))
+        coords = jnp.zeros(2, jnp.int32)
+        return call(
+            v,
+            coords,
+            jnp.zeros((0,), jnp.bool_),
+            op_id=np.int64(10**12),
+            algorithm=np.int32(7),
+            nranks=np.int32(1),
+            intra_size=np.int32(1),
+            wire_dtype=np.int32(-1),
+            prescale=np.float64(1),
+            postscale=np.float64(1),
+            chunk_size=np.int64(1),
+        )
+
+    with pytest.raises(Exception, match="unknown algorithm code 7"):
+        jax.block_until_ready(jax.jit(fn)(x))
+
+
+# --- several GPUs, where the machine has them -------------------------------
+
+
+def _gpu_mesh(n):
+    gpus = jax.devices("gpu")
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(gpus)}")
+    return jax.make_mesh((n,), ("data",), devices=gpus[:n])
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "hierarchical"])
+@pytest.mark.parametrize("wire", [None, jnp.bfloat16, jnp.float16])
+def test_multi_gpu_allreduce_matches_numpy(algorithm, wire):
+    n = max(2, len(jax.devices("gpu")))
+    mesh = _gpu_mesh(n)
+    xs = np.stack([_random(10_001, np.float32, seed=s) for s in range(n)])
+    if algorithm == "hierarchical":
+        if n % 2:
+            pytest.skip("hierarchical needs an even number of GPUs")
+        mesh = jax.make_mesh((n // 2, 2), ("node", "local"), devices=jax.devices("gpu")[:n])
+        axes = ("node", "local")
+    else:
+        axes = "data"
+    spec = P(tuple(mesh.axis_names))
+
+    def fn(v):
+        return jaxcomm.allreduce(v[0], axes, algorithm=algorithm, wire_dtype=wire, backend="ffi")[
+            None
+        ]
+
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+    out = np.asarray(f(jax.device_put(xs, NamedSharding(mesh, spec))))
+    tol = 1e-5 if wire is None else 2e-2
+    for row in out:
+        np.testing.assert_allclose(row, xs.astype(np.float64).sum(0), rtol=tol, atol=tol * n * 3)
+        assert row.tobytes() == out[0].tobytes()
+
+
+# --- a training step: backend="ffi" matches backend="xla" ------------------
+
+
+def _mlp_init(key, sizes=(32, 64, 10)):
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+        key, sub = jax.random.split(key)
+        params.append(
+            {
+                "w": jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in),
+                "b": jnp.zeros(fan_out),
+            }
+        )
+    return params
+
+
+def _loss(params, x, y):
+    h = x
+    for layer in params[:-1]:
+        h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    logits = h @ params[-1]["w"] + params[-1]["b"]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 10), -1))
+
+
+def _train(backend, algorithm, wire, steps=3):
+    gpus = jax.devices("gpu")
+    mesh = jax.make_mesh((len(gpus),), ("data",), devices=gpus)
+    params = _mlp_init(jax.random.key(0))
+    batch = 8 * len(gpus)
+    x = jax.random.normal(jax.random.key(1), (steps, batch, 32))
+    y = jax.random.randint(jax.random.key(2), (steps, batch), 0, 10)
+
+    def step(params, xb, yb):
+        grads = jax.grad(_loss)(params, xb, yb)
+        grads = jax.tree.map(
+            lambda g: jaxcomm.allreduce(
+                g, "data", op="mean", algorithm=algorithm, wire_dtype=wire, backend=backend
+            ),
+            grads,
+        )
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
+        )
+    )
+    for s in range(steps):
+        params = f(params, x[s], y[s])
+    return jax.tree.map(np.asarray, params)
+
+
+@pytest.mark.parametrize("algorithm,wire", [("auto", None), ("ring", None), ("ring", "bf16")])
+def test_training_step_ffi_matches_xla(algorithm, wire):
+    wire = jnp.bfloat16 if wire == "bf16" else None
+    ffi = _train("ffi", algorithm, wire)
+    xla = _train("xla", "ring" if algorithm == "ring" else "auto", wire)
+    tol = 1e-5 if wire is None else 2e-2
+    for a, b in zip(jax.tree.leaves(ffi), jax.tree.leaves(xla), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
