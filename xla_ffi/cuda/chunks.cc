@@ -38,7 +38,8 @@ Status Offsets(cudaStream_t stream, ffi::ScratchAllocator& scratch, const bool* 
   return LaunchChunkOffsets(stream, mask, nchunks, *offsets);
 }
 
-// y[:packed] = the selected chunks of x in order; y[packed:] = 0.
+// y[:packed] = the selected chunks of x in order; y[packed:] = 0. Only the
+// selected bytes are read and only y is written, once.
 ffi::Error PackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                     ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
                     int64_t chunk_size) {
@@ -50,12 +51,15 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   const size_t n = x.element_count();
   if (n == 0) return ffi::Error::Success();
   const int64_t nchunks = mask.element_count();
-  Status st = FromCuda(cudaMemsetAsync(y->untyped_data(), 0, n * isz, stream), "cudaMemsetAsync");
   int32_t* offsets = nullptr;
-  if (st.ok()) st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
+  Status st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
   if (st.ok()) {
     st = LaunchPackChunks(stream, x.untyped_data(), n, isz, mask.typed_data(), offsets, chunk_size,
                           y->untyped_data());
+  }
+  if (st.ok()) {
+    st = LaunchZeroPackedTail(stream, mask.typed_data(), offsets, nchunks, chunk_size, n, isz,
+                              y->untyped_data());
   }
   return cpu::ToError(st);
 }

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/check.h"
@@ -215,6 +216,22 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
   return FromCuda(cudaGetLastError(), kPack ? "pack chunks" : "unpack chunks");
 }
 
+// Bytes, not elements: only the tail is written, so width does not matter.
+__global__ void ZeroPackedTailKernel(const bool* mask, const int32_t* offsets, int64_t nchunks,
+                                     int64_t chunk_size, size_t n, size_t elem_bytes,
+                                     unsigned char* packed) {
+  // A short last chunk that is selected ends the packed data early.
+  const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
+  const size_t packed_elems =
+      static_cast<size_t>(offsets[nchunks]) * chunk_size - (mask[nchunks - 1] ? short_by : 0);
+  const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
+  for (size_t i =
+           packed_elems * elem_bytes + static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
+       i < n * elem_bytes; i += stride) {
+    packed[i] = 0;
+  }
+}
+
 // One block per chunk; four independent partial sums per thread keep four
 // loads in flight, then a shared-memory tree reduction.
 template <DType T>
@@ -290,6 +307,20 @@ Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t ele
                         const bool* mask, const int32_t* offsets, int64_t chunk_size,
                         void* packed) {
   return LaunchChunkCopy<true>(stream, x, packed, n, elem_bytes, mask, offsets, chunk_size);
+}
+
+Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t* offsets,
+                            int64_t nchunks, int64_t chunk_size, size_t n, size_t elem_bytes,
+                            void* packed) {
+  if (n == 0) return Status::Ok();
+  // The tail's length is only known on the device: a fixed grid strides
+  // over it, so an empty tail costs one small launch, not one per byte.
+  const size_t bytes = n * elem_bytes;
+  const unsigned grid =
+      static_cast<unsigned>(std::min<size_t>((bytes + kThreads - 1) / kThreads, 1024));
+  ZeroPackedTailKernel<<<grid, kThreads, 0, stream>>>(
+      mask, offsets, nchunks, chunk_size, n, elem_bytes, static_cast<unsigned char*>(packed));
+  return FromCuda(cudaGetLastError(), "zero packed tail kernel");
 }
 
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,

@@ -41,6 +41,12 @@ Status LaunchChunkOffsets(cudaStream_t stream, const bool* mask, int64_t nchunks
 Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t elem_bytes,
                         const bool* mask, const int32_t* offsets, int64_t chunk_size, void* packed);
 
+// packed[k] = 0 for k at or past the packed length, which the kernel reads
+// from offsets on the device: no host round trip.
+Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t* offsets,
+                            int64_t nchunks, int64_t chunk_size, size_t n, size_t elem_bytes,
+                            void* packed);
+
 // The inverse of LaunchPackChunks: selected chunks of y come from packed;
 // unselected ones are left as they are.
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,
