@@ -2,27 +2,29 @@
 #include <memory>
 
 #include "algorithm/schedule.h"
+#include "cpu/async.h"
 #include "cpu/collective.h"
 #include "cpu/ffi_util.h"
 
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Error AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y, int64_t op_id,
-                         int32_t nranks, int32_t wire_dtype) {
+ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
+                          int64_t op_id, int32_t nranks, int32_t wire_dtype) {
   DType input, wire;
   if (auto err = DecodeTypes("all_gather", x.element_type(), wire_dtype, &input, &wire);
       !err.success()) {
-    return err;
+    return CompletedFuture(err);
   }
   if (coords.element_count() < 2) {
-    return ffi::Error::InvalidArgument("jaxcomm all_gather: coords must hold [group, rank]");
+    return CompletedFuture(
+        ffi::Error::InvalidArgument("jaxcomm all_gather: coords must hold [group, rank]"));
   }
   const size_t m = x.element_count();
   if (y->element_count() != m * static_cast<size_t>(nranks)) {
-    return ffi::Error::InvalidArgument("jaxcomm all_gather: output must hold nranks * " +
-                                       std::to_string(m) + " elements");
+    return CompletedFuture(ffi::Error::InvalidArgument(
+        "jaxcomm all_gather: output must hold nranks * " + std::to_string(m) + " elements"));
   }
   const CallSite site{
       "all_gather",
@@ -35,12 +37,12 @@ ffi::Error AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
       1,
       Algorithm::kRing,
       Fingerprint({3, static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)})};
-  Status st = RunCollective(site, [&](Rings& rings) -> Status {
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
+  return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
     std::unique_ptr<char[]> scratch(new char[AllGatherScratchBytes(m, input, wire, nranks) + 1]);
-    return RingAllGather(*rings.flat, CpuKernels::Get(), input, wire, x.untyped_data(),
-                         y->untyped_data(), m, scratch.get());
+    return RingAllGather(*rings.flat, CpuKernels::Get(), input, wire, in, out, m, scratch.get());
   });
-  return ToError(st);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "algorithm/schedule.h"
+#include "cpu/async.h"
 #include "cpu/collective.h"
 #include "cpu/direct.h"
 #include "cpu/ffi_util.h"
@@ -43,18 +44,13 @@ std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk
   return ranges;
 }
 
-ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
-                         int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                         double postscale, int64_t chunk_size) {
-  ReduceSpec spec;
-  if (auto err = DecodeTypes("allreduce", x.element_type(), wire_dtype, &spec.input, &spec.wire);
+ffi::Error CheckAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                          ffi::Buffer<ffi::PRED> mask, int32_t algorithm, int32_t wire_dtype,
+                          int64_t chunk_size, ReduceSpec* spec) {
+  if (auto err = DecodeTypes("allreduce", x.element_type(), wire_dtype, &spec->input, &spec->wire);
       !err.success()) {
     return err;
   }
-  spec.prescale = prescale;
-  spec.postscale = postscale;
   if (coords.element_count() < 2) {
     return ffi::Error::InvalidArgument("jaxcomm allreduce: coords must hold [group, rank]");
   }
@@ -62,21 +58,35 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument("jaxcomm allreduce: unknown algorithm code " +
                                        std::to_string(algorithm));
   }
+  if (mask.element_count() == 0) return ffi::Error::Success();
+  if (chunk_size <= 0) return ffi::Error::InvalidArgument("jaxcomm allreduce: chunk_size <= 0");
+  const size_t nchunks = (x.element_count() + chunk_size - 1) / chunk_size;
+  if (mask.element_count() != nchunks) {
+    return ffi::Error::InvalidArgument(
+        "jaxcomm allreduce: chunk mask has " + std::to_string(mask.element_count()) +
+        " entries but the input has " + std::to_string(nchunks) + " chunks");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
+                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
+                          int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
+                          double postscale, int64_t chunk_size) {
+  ReduceSpec spec;
+  if (auto err = CheckAllReduce(x, coords, mask, algorithm, wire_dtype, chunk_size, &spec);
+      !err.success()) {
+    return CompletedFuture(err);
+  }
+  spec.prescale = prescale;
+  spec.postscale = postscale;
   const size_t n = x.element_count();
   const size_t isz = SizeOf(spec.input);
-
-  std::vector<Range> chunks;
   const bool masked = mask.element_count() > 0;
-  if (masked) {
-    if (chunk_size <= 0) return ffi::Error::InvalidArgument("jaxcomm allreduce: chunk_size <= 0");
-    const size_t nchunks = (n + chunk_size - 1) / chunk_size;
-    if (mask.element_count() != nchunks) {
-      return ffi::Error::InvalidArgument(
-          "jaxcomm allreduce: chunk mask has " + std::to_string(mask.element_count()) +
-          " entries but the input has " + std::to_string(nchunks) + " chunks");
-    }
-    chunks = SelectedChunks(mask.typed_data(), nchunks, chunk_size, n);
-  }
+  const std::vector<Range> chunks =
+      masked ? SelectedChunks(mask.typed_data(), mask.element_count(), chunk_size, n)
+             : std::vector<Range>();
   size_t packed = 0;
   for (const Range& c : chunks) packed += c.size();
 
@@ -96,8 +106,9 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
-  Status st = RunCollective(site, [&](Rings& rings) -> Status {
-    if (!masked) return ReduceContiguous(rings, site.algorithm, spec, in, out, n);
+  const Algorithm algo = site.algorithm;
+  return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
+    if (!masked) return ReduceContiguous(rings, algo, spec, in, out, n);
     // Only the selected chunks travel: pack them, reduce, unpack; the other
     // chunks keep the local values.
     std::unique_ptr<char[]> buffer(new char[std::max<size_t>(2 * packed, 1) * isz]);
@@ -108,8 +119,7 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
       std::memcpy(packed_in + at * isz, in + c.begin * isz, c.size() * isz);
       at += c.size();
     }
-    JAXCOMM_RETURN_IF_ERROR(
-        ReduceContiguous(rings, site.algorithm, spec, packed_in, packed_out, packed));
+    JAXCOMM_RETURN_IF_ERROR(ReduceContiguous(rings, algo, spec, packed_in, packed_out, packed));
     if (out != in) std::memcpy(out, in, n * isz);
     at = 0;
     for (const Range& c : chunks) {
@@ -118,7 +128,6 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
     }
     return Status::Ok();
   });
-  return ToError(st);
 }
 
 }  // namespace

@@ -3,32 +3,34 @@
 #include <memory>
 
 #include "algorithm/schedule.h"
+#include "cpu/async.h"
 #include "cpu/collective.h"
 #include "cpu/ffi_util.h"
 
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Error ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                             ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
-                             int64_t op_id, int32_t nranks, int32_t wire_dtype, double prescale,
-                             double postscale) {
+ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
+                              int64_t op_id, int32_t nranks, int32_t wire_dtype, double prescale,
+                              double postscale) {
   ReduceSpec spec;
   if (auto err =
           DecodeTypes("reduce_scatter", x.element_type(), wire_dtype, &spec.input, &spec.wire);
       !err.success()) {
-    return err;
+    return CompletedFuture(err);
   }
   spec.prescale = prescale;
   spec.postscale = postscale;
   if (coords.element_count() < 2) {
-    return ffi::Error::InvalidArgument("jaxcomm reduce_scatter: coords must hold [group, rank]");
+    return CompletedFuture(
+        ffi::Error::InvalidArgument("jaxcomm reduce_scatter: coords must hold [group, rank]"));
   }
   const size_t n = x.element_count();
   const size_t shard = nranks > 0 ? (n + nranks - 1) / nranks : 0;
   if (y->element_count() != shard) {
-    return ffi::Error::InvalidArgument("jaxcomm reduce_scatter: output must hold " +
-                                       std::to_string(shard) + " elements");
+    return CompletedFuture(ffi::Error::InvalidArgument("jaxcomm reduce_scatter: output must hold " +
+                                                       std::to_string(shard) + " elements"));
   }
   const CallSite site{"reduce_scatter",
                       run_id.run_id,
@@ -41,12 +43,12 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x
                       Algorithm::kRing,
                       Fingerprint({2, static_cast<int64_t>(n), static_cast<int>(spec.input),
                                    static_cast<int>(spec.wire)})};
-  Status st = RunCollective(site, [&](Rings& rings) -> Status {
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
+  return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
     std::unique_ptr<char[]> scratch(new char[ReduceScatterScratchBytes(n, spec, nranks)]);
-    return RingReduceScatter(*rings.flat, CpuKernels::Get(), spec, x.untyped_data(),
-                             y->untyped_data(), n, scratch.get());
+    return RingReduceScatter(*rings.flat, CpuKernels::Get(), spec, in, out, n, scratch.get());
   });
-  return ToError(st);
 }
 
 }  // namespace
