@@ -351,3 +351,12 @@ def test_error_feedback_init_outside_a_mesh_says_how():
     tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True)
     with pytest.raises(ValueError, match="jax.set_mesh"):
         tx.init({"w": jnp.zeros(3)})
+
+
+def test_default_bucket_bytes_depends_on_the_backend(mesh):
+    """xla: one collective per leaf (XLA's combiner fuses them without
+    copies); ffi: the 4 MiB fusion plan (here everything fits in one bucket)."""
+    xla = _stats_of(jaxcomm.allreduce_gradients("data", backend="xla"), mesh)
+    ffi = _stats_of(jaxcomm.allreduce_gradients("data", backend="ffi"), mesh)
+    assert xla.collectives == len(SHAPES)
+    assert jaxcomm.transforms.DEFAULT_BUCKET_BYTES == 4 * 2**20 and ffi.collectives == 1

@@ -14,15 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.collectives import _axes, _checks, _xla
+from jaxcomm.collectives import _axes, _checks, _frontend, _xla
 from jaxcomm.collectives.allreduce import allreduce
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import check_bucket_bytes, plan_buckets
 
-# 4 MiB: big enough that per-collective latency is a small part of a bucket's
-# time on Ethernet-class networks (alpha ~ 10-50 us, 4 MiB ~ 3 ms at 10 Gbps),
-# small enough that a ResNet-50's 100 MB of gradients make ~25 buckets, so
-# the first buckets can travel while backward is still running.
+# The ffi default, 4 MiB: big enough that per-collective latency is a small
+# part of a bucket's time on Ethernet-class networks (alpha ~ 10-50 us, 4 MiB
+# ~ 3 ms at 10 Gbps), small enough that ResNet-50's 100 MB of gradients make
+# ~25 buckets, so the first ones can travel while backward still runs. The
+# xla backend defaults to one collective per leaf: XLA's all-reduce combiner
+# fuses those without copying, where our buckets cost a concatenate and a
+# split (bench/overhead.py: 1.03x a per-leaf pmean unfused, 1.78x in 4 MiB
+# buckets, ResNet-50 shapes on 8 CPU devices).
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 
 
@@ -48,7 +52,7 @@ def allreduce_gradients(
     op: str = "mean",
     wire_dtype=None,
     error_feedback: bool = False,
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
     algorithm: str = "auto",
     backend: str = "auto",
     double_buffering: bool = False,
@@ -75,7 +79,9 @@ def allreduce_gradients(
       error_feedback: keep what the wire cast dropped in a per-device
         residual and add it to the next step's gradient. Needs a narrow wire.
       bucket_bytes: fusion threshold θ. 0: one collective per leaf;
-        ``math.inf``: one per dtype. Default 4 MiB.
+        ``math.inf``: one per dtype. ``None`` (default): 0 with the xla
+        backend, whose all-reduce combiner fuses without copies, and
+        ``DEFAULT_BUCKET_BYTES`` (4 MiB) with ffi.
       algorithm: ``"auto"``, ``"ring"``, ``"hierarchical"`` or ``"direct"``,
         as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
@@ -116,6 +122,9 @@ def allreduce_gradients(
     _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
     _checks.check_choice("backend", backend, _checks.BACKENDS)
     wire = _checks.check_wire_dtype(wire_dtype)
+    if bucket_bytes is None:
+        xla = _frontend.resolve_backend(backend) == "xla"
+        bucket_bytes = 0 if xla else DEFAULT_BUCKET_BYTES
     theta = check_bucket_bytes(bucket_bytes)
     axes = _axes.normalize(axis_name)
     if algorithm == "hierarchical" and len(axes) != 2:
