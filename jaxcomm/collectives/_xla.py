@@ -62,7 +62,8 @@ def ring_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
         acc = lax.dynamic_update_index_in_dim(acc, mine + recv.astype(acc_t), at, 0)
     own = lax.dynamic_index_in_dim(acc, r, keepdims=False)
     own = (own * postscale).astype(wire) if postscale != 1.0 else own.astype(wire)
-    gathered = lax.all_gather(own, place.axes, tiled=True)
+    to = "invarying" if is_vma_typed(own, place.axes) else "varying"
+    gathered = lax.all_gather(own, place.axes, tiled=True, to=to)
     return gathered[:n].astype(x.dtype)
 
 
@@ -75,7 +76,9 @@ def hierarchical_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     w = _pad_to(to_wire(x, wire, prescale), local).reshape(local, -1)
     shard = lax.psum_scatter(w, intra, scatter_dimension=0, tiled=False)
     shard = lax.psum(shard, inter)
-    full = lax.all_gather(shard, intra, tiled=True)
+    # Typed as replicated over both axes, like psum's result.
+    to = "invarying" if is_vma_typed(shard, (intra,)) else "varying"
+    full = lax.all_gather(shard, intra, tiled=True, to=to)
     return from_wire(full[:n], x.dtype, postscale)
 
 
