@@ -1,0 +1,277 @@
+"""Local multi-process launcher: ``python -m jaxcomm.launch -n 2 script.py args...``.
+
+Starts ``n`` copies of a Python script on this machine as the processes of one
+``jax.distributed`` job: picks a free port on 127.0.0.1 for the coordinator,
+gives each process ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
+``JAXCOMM_PROCESS_ID`` (read by :func:`jaxcomm.distributed.initialize`), and
+with ``--devices-per-process`` forces that many CPU devices per process
+through ``XLA_FLAGS``. Each output line comes back prefixed with
+``[rank k]``.
+
+If a process exits non-zero or dies by a signal, the others are sent SIGTERM,
+then SIGKILL after ``--grace-period`` seconds, and the launcher exits with the
+failed process's code (128 + signal for a signal) and a message naming its
+rank. Ctrl-C (or SIGTERM to the launcher) stops all processes the same way.
+Standard library only, so it starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+POLL_SECONDS = 0.05
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now.
+
+    The port is released before it is returned, so another program could take
+    it in between; the coordinator binds it within a second, which makes that
+    unlikely on a workstation.
+
+    Examples:
+      >>> 1024 <= free_port() <= 65535
+      True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def with_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` with the CPU device count set to ``count`` (replacing any).
+
+    Examples:
+      >>> with_device_count("--xla_force_host_platform_device_count=8 --foo", 4)
+      '--foo --xla_force_host_platform_device_count=4'
+    """
+    kept = [f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG + "=")]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={count}"])
+
+
+def process_env(
+    base: dict, *, rank: int, num_processes: int, port: int, devices_per_process: int | None
+) -> dict:
+    """The environment of process ``rank``: ``base`` plus the job's variables."""
+    env = dict(base)
+    env.update(
+        JAXCOMM_COORDINATOR=f"127.0.0.1:{port}",
+        JAXCOMM_NUM_PROCESSES=str(num_processes),
+        JAXCOMM_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not at exit
+    )
+    # Set by an outer launcher, these would contradict ours (see jaxcomm.distributed).
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    if devices_per_process is not None:
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
+    return env
+
+
+class _PrefixedOutput:
+    """Copies a child's stream to ours line by line, each line prefixed."""
+
+    def __init__(self, source, sink, prefix: str, lock: threading.Lock):
+        self._thread = threading.Thread(
+            target=self._pump, args=(source, sink, prefix.encode(), lock), daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _pump(source, sink, prefix: bytes, lock: threading.Lock):
+        out = getattr(sink, "buffer", sink)
+        for line in iter(source.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+        source.close()
+
+    def join(self, timeout: float):
+        self._thread.join(timeout)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int):
+    try:
+        os.killpg(proc.pid, sig)  # the child's own group: its subprocesses too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_period: float) -> None:
+    """SIGTERM to every running process, SIGKILL to those alive after the grace period."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+    for proc in running:
+        proc.wait()
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: 128 + N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(rank: int, returncode: int) -> str:
+    """What happened to a process, in words."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"rank {rank} was killed by {name}"
+    return f"rank {rank} exited with code {returncode}"
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    del frame
+    raise _Interrupted(signum)
+
+
+def _say(message: str):
+    print(f"jaxcomm.launch: {message}", file=sys.stderr, flush=True)
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int | None = None,
+    grace_period: float = 5.0,
+) -> int:
+    """Runs ``command`` as ``num_processes`` ranks of one job; returns the exit code.
+
+    Args:
+      command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
+      num_processes: how many processes to start.
+      devices_per_process: CPU devices to force in each process, or ``None``
+        to leave ``XLA_FLAGS`` as it is.
+      grace_period: seconds between SIGTERM and SIGKILL when stopping processes.
+
+    Returns:
+      0 if every process exited 0; otherwise the code of the first process to
+      fail (128 + N for signal N), or 130 / 143 after SIGINT / SIGTERM.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes={num_processes} must be at least 1")
+    port = free_port()
+    lock = threading.Lock()
+    procs, pumps = [], []
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(num_processes):
+            env = process_env(
+                dict(os.environ),
+                rank=rank,
+                num_processes=num_processes,
+                port=port,
+                devices_per_process=devices_per_process,
+            )
+            proc = subprocess.Popen(
+                list(command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                # Its own session: a terminal's Ctrl-C reaches only us, and we
+                # stop the ranks in order instead of racing them.
+                start_new_session=True,
+            )
+            procs.append(proc)
+            prefix = f"[rank {rank}] "
+            pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, lock))
+            pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, lock))
+        code = _watch(procs, grace_period)
+    except _Interrupted as interrupt:
+        name = signal.Signals(interrupt.signum).name
+        _say(f"got {name}; stopping all {num_processes} processes")
+        stop_all(procs, grace_period)
+        code = 128 + interrupt.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for pump in pumps:
+        pump.join(timeout=grace_period)
+    return code
+
+
+def _watch(procs: Sequence[subprocess.Popen], grace_period: float) -> int:
+    """Waits for all processes; on the first failure stops the rest."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, returncode = failed[0]
+            others = [r for r, c in enumerate(codes) if c is None]
+            stopping = f"; stopping ranks {others}" if others else ""
+            _say(f"{describe(rank, returncode)}{stopping}")
+            stop_all(procs, grace_period)
+            return exit_code(returncode)
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(POLL_SECONDS)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxcomm.launch",
+        description="Run a JAX script as N local processes of one jax.distributed job.",
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help=f"force this many CPU devices per process ({DEVICE_COUNT_FLAG} in XLA_FLAGS)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)",
+    )
+    parser.add_argument("script", help="Python script to run in every process")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    args = parser.parse_args(argv)
+    if args.num_processes < 1:
+        parser.error(f"-n {args.num_processes}: need at least 1 process")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        parser.error(f"--devices-per-process {args.devices_per_process}: need at least 1")
+    if args.grace_period < 0:
+        parser.error(f"--grace-period {args.grace_period}: must not be negative")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    return launch(
+        [sys.executable, args.script, *args.args],
+        args.num_processes,
+        devices_per_process=args.devices_per_process,
+        grace_period=args.grace_period,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
