@@ -1,0 +1,134 @@
+"""The transforms inside Flax's own training containers: nnx.Optimizer under
+jit + shard_map, and a Linen TrainState under pmap. Each run must equal the
+same container driven by lax.pmean gradients and plain optax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+STEPS, N, BATCH = 6, 8, 32
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS, BATCH, 12)).astype(np.float32)
+    y = rng.integers(0, 5, (STEPS, BATCH)).astype(np.int32)
+    return x, y
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(12, 16, rngs=rngs)
+        self.b = nnx.Linear(16, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(nnx.relu(self.a(x)))
+
+
+def _nnx_run(reduce: str, tx_head):
+    mesh = jax.make_mesh((N,), ("data",))
+    model = NnxMLP(nnx.Rngs(0))
+    tx = optax.chain(tx_head, optax.sgd(0.1, momentum=0.9)) if tx_head else optax.sgd(0.1, 0.9)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            logits = nnx.merge(mdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        grads = jax.grad(loss)(local)
+        if reduce == "pmean":
+            grads = jax.lax.pmean(grads, "data")
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+    )
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    xs, ys = _data()
+    batch = NamedSharding(mesh, P("data"))
+    for x, y in zip(xs, ys, strict=True):
+        x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+        state = jax.block_until_ready(run(state, x, y))
+    model, _ = nnx.merge(graphdef, state)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        jaxcomm.allreduce_gradients("data"),
+        jaxcomm.allreduce_gradients("data", backend="ffi", double_buffering=False),
+    ],
+    ids=["xla", "ffi"],
+)
+def test_nnx_optimizer_in_shard_map(head):
+    ours = _nnx_run("jaxcomm", head)
+    want = _nnx_run("pmean", None)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(5)(linen.relu(linen.Dense(16)(x)))
+
+
+def _linen_run(tx, reduce: str):
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 12)))["params"]
+
+    def step(state, x, y):
+        def loss(p):
+            logits = state.apply_fn({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        grads = jax.grad(loss)(state.params)
+        if reduce == "pmean":
+            grads = jax.lax.pmean(grads, "data")
+        return state.apply_gradients(grads=grads)
+
+    run = jax.pmap(step, axis_name="data")
+    create = lambda p: train_state.TrainState.create(apply_fn=model.apply, params=p, tx=tx)  # noqa: E731
+    state = jax.pmap(create, axis_name="data")(
+        jax.tree.map(lambda v: np.broadcast_to(v, (N, *v.shape)), params)
+    )
+    xs, ys = _data()
+    for x, y in zip(xs, ys, strict=True):
+        state = jax.block_until_ready(run(state, x.reshape(N, -1, 12), y.reshape(N, -1)))
+    return jax.tree.map(np.asarray, state.params)
+
+
+def test_linen_train_state_under_pmap():
+    sgd = optax.sgd(0.1, momentum=0.9)
+    ours = _linen_run(optax.chain(jaxcomm.allreduce_gradients("data", wire_dtype=None), sgd), "")
+    want = _linen_run(sgd, "pmean")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert all(np.array_equal(a[0], a[d]) for d in range(N))
+
+
+def test_linen_train_state_with_chunk_sparse_density_one():
+    inner = optax.sgd(0.1, momentum=0.9)
+    tx = jaxcomm.chunk_sparse(inner, "data", density=1.0, chunk_size=64)
+    ours = _linen_run(tx, "")
+    want = _linen_run(inner, "pmean")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
