@@ -1,0 +1,315 @@
+"""Multi-process runs through ``python -m jaxcomm.launch``: 2 processes x 4 CPU
+devices train like 1 process x 8, the launcher stops a job when a rank fails,
+and jaxcomm.distributed reads the environment of launch, srun and mpirun."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxcomm import distributed, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "multihost" / "train.py"
+STEPS = 10
+
+# Same result up to summation order. In one process XLA adds the 8 device
+# gradients itself; across processes the all-reduce runs over gloo, which adds
+# them in another order, so the runs are not bitwise equal (measured after 10
+# steps: 2-3 ulp, at most 1.2e-7 dense and 1.8e-7 hierarchical, on params of
+# magnitude <= 1.4; about a fifth of the entries differ). A reordered float32
+# sum of 8 terms is off by at most 7 eps * sum|g_i| (eps = 1.2e-7), i.e.
+# ~1e-6 for these O(1) gradients; SGD with lr 0.1 and momentum 0.9 passes a
+# gradient error on with gain lr / (1 - momentum) = 1 per step, so 10 steps
+# stay under 1e-5 unless the dynamics amplify it. A run that skipped the
+# cross-process sum is off by far more than that (checked below).
+ATOL = 1e-5
+
+
+def _run(args: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxcomm.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kwargs,
+    )
+
+
+def _train(tmp_path: Path, processes: int, devices: int, algorithm: str, *extra: str) -> dict:
+    out = tmp_path / f"{algorithm}-{processes}x{devices}.npz"
+    result = _run(
+        [
+            *("-n", str(processes), "--devices-per-process", str(devices)),
+            str(TRAIN),
+            *("--algorithm", algorithm, "--steps", str(STEPS), "--out", str(out), *extra),
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = processes - 1
+    banner = f"[rank {last}] process {last}/{processes}: {devices} of {processes * devices}"
+    assert banner in result.stdout
+    with np.load(out) as params:
+        return dict(params)
+
+
+def _initial_params() -> dict:
+    spec = importlib.util.spec_from_file_location("multihost_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args([])
+    inputs, labels = module.make_data(args.seed)
+    return module.init_params(args.seed, inputs.shape[1], args.hidden, int(labels.max()) + 1)
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "hierarchical"])
+def test_two_processes_train_like_one(tmp_path, algorithm):
+    one = _train(tmp_path, 1, 8, algorithm, "--nodes", "2")
+    two = _train(tmp_path, 2, 4, algorithm)
+    init = _initial_params()
+    # Not bitwise: see ATOL. Report the difference when it fails.
+    for name in one:
+        diff = np.abs(one[name] - two[name]).max()
+        assert diff <= ATOL, f"{algorithm} {name}: 2x4 vs 1x8 differ by {diff:.3g} > {ATOL}"
+        assert np.abs(one[name] - init[name]).max() > 100 * ATOL, f"{name} did not train"
+
+
+def test_one_process_without_a_cross_process_sum_would_differ(tmp_path):
+    """The tolerance is tight enough to see a missing sum: training on one
+    process's half of each batch lands far outside it."""
+    both = _train(tmp_path, 1, 8, "dense", "--nodes", "2")
+    # 1 process x 4 devices sees a batch of 128 instead of 256: another gradient.
+    half = _train(tmp_path, 1, 4, "dense", "--batch", "128")
+    assert max(np.abs(both[k] - half[k]).max() for k in both) > 100 * ATOL
+
+
+FAILING_RANK = """
+    import sys, jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxcomm.distributed as distributed
+
+    settings = distributed.initialize()
+    if settings.process_id == 1:
+        raise RuntimeError("rank 1 gives up")
+    mesh = distributed.hierarchical_mesh()
+    x = jax.make_array_from_callback((8,), NamedSharding(mesh, P(("node", "local"))),
+                                     lambda i: np.ones(8, np.float32)[i])
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "local")), mesh=mesh,
+                                  in_specs=P(("node", "local")), out_specs=P()))
+    print("rank 0 waits for rank 1", flush=True)
+    print("sum", float(total(x)[0]), flush=True)  # blocks: rank 1 never joins
+    print("rank 0 finished", flush=True)
+"""
+
+
+def _script(tmp_path: Path, name: str, source: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def test_a_failing_rank_stops_the_job(tmp_path):
+    script = _script(tmp_path, "fail.py", FAILING_RANK)
+    start = time.monotonic()
+    result = _run(["-n", "2", "--devices-per-process", "1", "--grace-period", "2", script], 90)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "jaxcomm.launch: rank 1 exited with code 1; stopping ranks [0]" in result.stderr
+    assert "[rank 1] RuntimeError: rank 1 gives up" in result.stderr
+    assert "rank 0 finished" not in result.stdout
+    assert elapsed < 60, f"the launcher took {elapsed:.0f} s to stop the job"
+
+
+def test_a_killed_rank_is_named_and_a_stubborn_one_is_killed(tmp_path):
+    script = _script(
+        tmp_path,
+        "die.py",
+        """
+        import os, signal, time
+        if os.environ["JAXCOMM_PROCESS_ID"] == "2":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it
+        print("ready", flush=True)
+        time.sleep(600)
+        """,
+    )
+    start = time.monotonic()
+    result = _run(["-n", "3", "--grace-period", "1", script], 60)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 2 was killed by SIGKILL; stopping ranks [0, 1]" in result.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    marker = tmp_path / "pids"
+    script = _script(
+        tmp_path,
+        "sleep.py",
+        f"""
+        import os, time
+        with open({str(marker)!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        print("ready", flush=True)
+        time.sleep(600)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxcomm.launch", "-n", "2", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        not marker.exists() or len(marker.read_text().split()) < 2
+    ):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out + err
+    assert "got SIGINT; stopping all 2 processes" in err
+    for pid in map(int, marker.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_output_is_prefixed_and_the_environment_set(tmp_path):
+    script = _script(
+        tmp_path,
+        "env.py",
+        """
+        import os, sys
+        rank = os.environ["JAXCOMM_PROCESS_ID"]
+        print("coordinator", os.environ["JAXCOMM_COORDINATOR"])
+        print("count", os.environ["JAXCOMM_NUM_PROCESSES"], "args", *sys.argv[1:])
+        print("flags", os.environ["XLA_FLAGS"])
+        print("to stderr", file=sys.stderr, end="")  # no newline: still one line
+        """,
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_dummy=1")
+    result = _run(["-n", "2", "--devices-per-process", "3", script, "a", "--b"], 30, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    coordinators = {line for line in lines if "coordinator" in line}
+    ports = {line.rsplit(":", 1)[1] for line in coordinators}
+    assert len(ports) == 1 and 1024 <= int(ports.pop()) <= 65535
+    for rank in (0, 1):
+        assert f"[rank {rank}] coordinator 127.0.0.1:" in result.stdout
+        assert f"[rank {rank}] count 2 args a --b" in lines
+        flags = f"[rank {rank}] flags --xla_dummy=1 --xla_force_host_platform_device_count=3"
+        assert flags in lines
+        assert f"[rank {rank}] to stderr" in result.stderr.splitlines()
+    assert all(line.startswith("[rank ") for line in lines)
+
+
+def test_exit_codes_propagate(tmp_path):
+    script = _script(
+        tmp_path,
+        "code.py",
+        """
+        import os, sys
+        sys.exit(7 if os.environ["JAXCOMM_PROCESS_ID"] == "0" else 0)
+        """,
+    )
+    result = _run(["-n", "2", script], 30)
+    assert result.returncode == 7
+    assert "rank 0 exited with code 7" in result.stderr
+    assert _run(["-n", "2", _script(tmp_path, "ok.py", "pass\n")], 30).returncode == 0
+
+
+def test_free_port_can_be_bound():
+    import socket
+
+    port = launch.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# jaxcomm.distributed.resolve_settings: pure functions of the environment.
+
+
+def test_launcher_variables():
+    env = {"JAXCOMM_COORDINATOR": "127.0.0.1:1234", "JAXCOMM_NUM_PROCESSES": "2"}
+    env["JAXCOMM_PROCESS_ID"] = "1"
+    assert distributed.resolve_settings(environ=env) == distributed.ProcessSettings(
+        "127.0.0.1:1234", 2, 1, "JAXCOMM_*"
+    )
+    # JAX's own variable names the coordinator too.
+    env = {"JAX_COORDINATOR_ADDRESS": "h:9", "JAXCOMM_NUM_PROCESSES": "2"}
+    env["JAXCOMM_PROCESS_ID"] = "0"
+    assert distributed.resolve_settings(environ=env).coordinator_address == "h:9"
+
+
+def test_slurm_and_open_mpi():
+    slurm = {
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_JOB_ID": "4096",
+        "SLURM_JOB_NODELIST": "a100-[007-010],b1",
+    }
+    settings = distributed.resolve_settings(environ=slurm)
+    assert settings == distributed.ProcessSettings("a100-007:61440", 8, 5, "SLURM")
+    port = dict(slurm, JAXCOMM_COORDINATOR_PORT="2222")
+    assert distributed.resolve_settings(environ=port).coordinator_address == "a100-007:2222"
+    # mpirun inside an allocation: the MPI ranks, not the batch script's task.
+    mpi = dict(slurm, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1")
+    mpi["JAXCOMM_COORDINATOR"] = "head:5000"
+    assert distributed.resolve_settings(environ=mpi) == distributed.ProcessSettings(
+        "head:5000", 2, 1, "Open MPI"
+    )
+    # The launcher's variables win over the scheduler's.
+    ours = dict(mpi, JAXCOMM_NUM_PROCESSES="3", JAXCOMM_PROCESS_ID="2")
+    assert distributed.resolve_settings(environ=ours).num_processes == 3
+
+
+@pytest.mark.parametrize(
+    "env, kwargs, message",
+    [
+        ({"JAXCOMM_NUM_PROCESSES": "2"}, {}, "JAXCOMM_NUM_PROCESSES is set but JAXCOMM_PROCESS_ID"),
+        ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, {}, "no coordinator"),
+        ({}, {"num_processes": 2}, "no process_id"),
+        ({}, {"num_processes": 2, "process_id": 2}, r"outside \[0, 2\)"),
+        ({"JAXCOMM_NUM_PROCESSES": "x", "JAXCOMM_PROCESS_ID": "0"}, {}, "not an integer"),
+        (
+            {"JAXCOMM_COORDINATOR": "a:1", "JAX_COORDINATOR_ADDRESS": "b:1"},
+            {},
+            "disagree",
+        ),
+        (
+            {"JAXCOMM_NUM_PROCESSES": "2", "JAXCOMM_PROCESS_ID": "1"},
+            {"process_id": 0, "coordinator_address": "h:1"},
+            "process_id=0 contradicts JAXCOMM_PROCESS_ID=1",
+        ),
+        ({}, {"num_processes": 2, "process_id": 0, "coordinator_address": "h"}, "host:port"),
+    ],
+)
+def test_clear_errors(env, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        distributed.resolve_settings(**kwargs, environ=env)
+
+
+def test_first_slurm_host():
+    assert distributed.first_slurm_host("n[1,3-4]") == "n1"
+    assert distributed.first_slurm_host("login") == "login"
+    with pytest.raises(ValueError, match="cannot read"):
+        distributed.first_slurm_host("")
+
+
+def test_hierarchical_mesh_in_one_process():
+    mesh = distributed.hierarchical_mesh("inter", "intra", nodes=4)
+    assert dict(mesh.shape) == {"inter": 4, "intra": 2}
+    assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in mesh.devices.flat)
+    with pytest.raises(ValueError, match="do not divide"):
+        distributed.hierarchical_mesh(nodes=3)
