@@ -311,26 +311,31 @@ def hierarchical_mesh(
 ) -> Mesh:
     """A 2-D mesh: processes along ``inter_axis``, their local devices along ``intra_axis``.
 
-    Row i holds the devices of node i, ordered by device id, so
+    Row i holds the devices of node i, process by process and by device id
+    inside a process, so
     ``allreduce(..., (inter_axis, intra_axis), algorithm="hierarchical")``
-    reduces inside each process first and only 1/L of the data crosses
-    processes. Flattened in row-major order the devices run process by process,
-    which is the order ``PartitionSpec((inter_axis, intra_axis))`` shards a
-    batch in.
+    reduces inside each node first and only 1/L of the data crosses nodes.
+    Flattened in row-major order the devices run process by process, which is
+    the order ``PartitionSpec((inter_axis, intra_axis))`` shards a batch in.
 
     Args:
       inter_axis: name of the axis across nodes.
       intra_axis: name of the axis inside a node.
-      nodes: rows of the mesh; ``jax.process_count()`` by default. A multiple
-        of it splits each process's devices into several rows, e.g. one process
-        of 8 devices with ``nodes=2`` has the shape of 2 processes x 4 devices.
+      nodes: rows of the mesh; ``jax.process_count()`` by default (one node per
+        process). A multiple of the process count splits each process's
+        devices into several rows: one process of 8 devices with ``nodes=2``
+        has the shape of 2 processes x 4 devices. A divisor of it groups
+        consecutive processes into one row: with one process per GPU, 4 GPUs a
+        host and ranks numbered host by host (SLURM's default block
+        distribution), ``nodes=jax.process_count() // 4`` puts each host's
+        GPUs on ``intra_axis``.
 
     Returns:
       A ``jax.sharding.Mesh`` of shape ``(nodes, devices // nodes)``.
 
     Raises:
       ValueError: processes with different device counts, or ``nodes`` that
-        would put one row across two processes.
+        would split a process's devices unevenly or across rows.
 
     Examples:
       >>> mesh = hierarchical_mesh(nodes=2)  # one process, 8 CPU devices
@@ -345,17 +350,13 @@ def hierarchical_mesh(
     counts = {p: len(ds) for p, ds in by_process.items()}
     if len(set(counts.values())) != 1:
         raise ValueError(f"processes hold different numbers of devices: {counts}")
-    if nodes < 1 or nodes % processes:
+    per_process = next(iter(counts.values()))
+    splits = nodes >= processes and nodes % processes == 0 and per_process % (nodes // processes)
+    if nodes < 1 or (nodes % processes and processes % nodes) or splits:
         raise ValueError(
-            f"nodes={nodes} must be a positive multiple of the {processes} processes, "
-            "so that no node spans two processes"
-        )
-    per_process = counts[0] if 0 in counts else next(iter(counts.values()))
-    rows_per_process = nodes // processes
-    if per_process % rows_per_process:
-        raise ValueError(
-            f"nodes={nodes}: {rows_per_process} nodes per process do not divide its "
-            f"{per_process} devices"
+            f"nodes={nodes} does not fit {processes} processes of {per_process} devices: "
+            "it must divide the process count, or be a multiple of it that divides "
+            "each process's devices evenly"
         )
     ordered = [d for p in sorted(by_process) for d in sorted(by_process[p], key=lambda d: d.id)]
     grid = np.array(ordered, dtype=object).reshape(nodes, len(ordered) // nodes)

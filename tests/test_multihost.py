@@ -311,5 +311,6 @@ def test_hierarchical_mesh_in_one_process():
     mesh = distributed.hierarchical_mesh("inter", "intra", nodes=4)
     assert dict(mesh.shape) == {"inter": 4, "intra": 2}
     assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in mesh.devices.flat)
-    with pytest.raises(ValueError, match="do not divide"):
-        distributed.hierarchical_mesh(nodes=3)
+    for nodes in (3, 16, 0):
+        with pytest.raises(ValueError, match="does not fit 1 processes of 8 devices"):
+            distributed.hierarchical_mesh(nodes=nodes)
