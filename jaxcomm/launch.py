@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -28,7 +29,8 @@ import time
 from collections.abc import Sequence
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-POLL_SECONDS = 0.05
+# How often the launcher wakes to notice Ctrl-C while it waits for exits.
+WAKE_SECONDS = 0.2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -217,20 +219,32 @@ def launch(
 
 
 def _watch(procs: Sequence[subprocess.Popen], grace_period: float) -> int:
-    """Waits for all processes; on the first failure stops the rest."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, returncode = failed[0]
-            others = [r for r, c in enumerate(codes) if c is None]
+    """Waits for all processes; on the first failure stops the rest.
+
+    One thread per process reports its exit, so "first" is the order in which
+    they exited, not their rank order.
+    """
+    exits: queue.Queue = queue.Queue()
+
+    def report_exit(rank: int, proc: subprocess.Popen):
+        exits.put((rank, proc.wait()))
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=report_exit, args=(rank, proc), daemon=True).start()
+    remaining = len(procs)
+    while remaining:
+        try:
+            rank, returncode = exits.get(timeout=WAKE_SECONDS)
+        except queue.Empty:
+            continue
+        remaining -= 1
+        if returncode != 0:
+            others = [r for r, p in enumerate(procs) if p.poll() is None]
             stopping = f"; stopping ranks {others}" if others else ""
             _say(f"{describe(rank, returncode)}{stopping}")
             stop_all(procs, grace_period)
             return exit_code(returncode)
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(POLL_SECONDS)
+    return 0
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
