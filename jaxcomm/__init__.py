@@ -1,14 +1,23 @@
 """jaxcomm: fast gradient communication for data-parallel JAX training.
 
-Collectives (``allreduce``, ``reduce_scatter``, ``all_gather``) with ring,
-hierarchical and shared-memory schedules, narrow wire dtypes and chunk masks,
-running as JAX collectives (``backend="xla"``) or as XLA FFI custom calls
-(``backend="ffi"``).
+- Transforms for the head of an optax chain: ``allreduce_gradients`` (fusion,
+  wire casting, error feedback, double buffering, hierarchical) and
+  ``chunk_sparse`` (GradientFlow's coarse-grained sparse exchange).
+- Collectives (``allreduce``, ``reduce_scatter``, ``all_gather``) with ring,
+  hierarchical and shared-memory schedules, narrow wire dtypes and chunk
+  masks, as JAX collectives (``backend="xla"``) or XLA FFI custom calls
+  (``backend="ffi"``).
+- ``costmodel`` and ``plan``: an alpha-beta model of a cluster and a planner.
+- ``distributed``: multi-process set-up; ``python -m jaxcomm.launch`` runs
+  several processes locally.
 """
 
+from jaxcomm import costmodel, distributed
 from jaxcomm._runtime import ffi_stats, get_ffi_timeout, reset_ffi_stats, set_ffi_timeout
 from jaxcomm.collectives import all_gather, allreduce, reduce_scatter
 from jaxcomm.collectives._ffi import available as ffi_available
+from jaxcomm.costmodel import plan
+from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
 from jaxcomm.transforms import (
     AllReduceGradientsState,
     ChunkSparseState,
@@ -25,6 +34,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceGradientsState",
+    "ReplicaDiff",
+    "check_replicas",
+    "check_replicas_host",
+    "costmodel",
+    "distributed",
+    "plan",
     "ChunkSparseState",
     "CommStats",
     "PerDevice",
