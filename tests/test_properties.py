@@ -252,12 +252,6 @@ def test_check_replicas_sees_one_flipped_bit(dtype):
         assert float(d.worst()[0]) == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="jaxcomm bug: chunk_sparse on a tree with no elements builds a 1-chunk mask "
-    "for a 0-element pool (allreduce: 'chunk_mask has shape (1,)')",
-)
 @pytest.mark.parametrize("backend", ["xla", "ffi"])
 def test_chunk_sparse_on_a_tree_without_elements(backend):
     """Found by test_chunk_sparse_keeps_dtypes_and_replicas. Traced only

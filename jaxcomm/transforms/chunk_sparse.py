@@ -157,6 +157,9 @@ def chunk_sparse(
         be = _frontend.resolve_backend(backend, masked=True)
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = state.mask.shape[0]
+        if size == 0:  # nothing to exchange: no collective, only the inner step
+            upd, inner_state = inner.update(updates, state.inner, params)
+            return upd, state._replace(inner=inner_state, count=state.count + 1)
 
         g = _to_pool(leaves, _pool_dtype(leaves)) + _state.local(state.residual)
         elem_mask = _elements(state.mask, chunk_size, size)
