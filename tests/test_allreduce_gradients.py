@@ -360,3 +360,13 @@ def test_default_bucket_bytes_depends_on_the_backend(mesh):
     ffi = _stats_of(jaxcomm.allreduce_gradients("data", backend="ffi"), mesh)
     assert xla.collectives == len(SHAPES)
     assert jaxcomm.transforms.DEFAULT_BUCKET_BYTES == 4 * 2**20 and ffi.collectives == 1
+
+
+def test_check_finite_off_reports_nothing_and_reduces_the_same(mesh):
+    grads = _grads(steps=2)
+    grads[1]["d_big"][2, 3] = np.nan
+    on = run_steps(jaxcomm.allreduce_gradients("data"), _params(), grads, mesh)
+    off = run_steps(jaxcomm.allreduce_gradients("data", check_finite=False), _params(), grads, mesh)
+    assert on[2].stats.nonfinite.all() and not off[2].stats.nonfinite.any()
+    for k in SHAPES:
+        np.testing.assert_array_equal(on[0][1][k], off[0][1][k])
