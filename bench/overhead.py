@@ -57,7 +57,7 @@ def configurations() -> dict[str, Callable[[], optax.GradientTransformation]]:
     configs = {
         "pmean": None,  # lax.pmean per leaf, then optax.sgd
         "dense": lambda: optax.chain(dense("data"), sgd),
-        "dense, no finite check": lambda: optax.chain(dense("data", check_finite=False), sgd),
+        "dense check_finite=False": lambda: optax.chain(dense("data", check_finite=False), sgd),
         "unfused(theta=0)": lambda: optax.chain(dense("data", bucket_bytes=0), sgd),
         "fused(theta=inf)": lambda: optax.chain(dense("data", bucket_bytes=math.inf), sgd),
         "fp16": lambda: optax.chain(dense("data", wire_dtype=jnp.float16), sgd),
