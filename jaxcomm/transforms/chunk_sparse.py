@@ -285,7 +285,7 @@ def _chunk_l1(pool, nchunks: int, chunk_size: int):
 
 def _exchange(g, mask, axes, chunk_size, density, backend, *, wire, algorithm):
     """Averages the masked chunks of g over the devices (zeros elsewhere);
-    returns the result and the payload bytes this device sent."""
+    returns the result and the payload bytes this device sent (float32)."""
     size, nchunks = g.size, mask.shape[0]
     itemsize = (np.dtype(g.dtype) if wire is None else wire).itemsize
     opts = dict(
@@ -298,14 +298,14 @@ def _exchange(g, mask, axes, chunk_size, density, backend, *, wire, algorithm):
     )
     if backend == "ffi":
         lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
-        payload = jnp.sum(jnp.where(mask, lengths, 0)) * itemsize
+        payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
         return allreduce(g, axes, chunk_mask=mask, **opts), payload
     # xla packs under a static bound: the final density's chunk count, or
     # (during warm-up and at step 0) all chunks.
     bound = int(math.ceil(density * nchunks - 1e-6)) if nchunks else 1
     bound = min(max(bound, 1), nchunks)
     if bound == nchunks:
-        return allreduce(g, axes, chunk_mask=mask, **opts), jnp.int32(
+        return allreduce(g, axes, chunk_mask=mask, **opts), jnp.float32(
             nchunks * chunk_size * itemsize
         )
     many = jnp.sum(mask) > bound
@@ -315,7 +315,8 @@ def _exchange(g, mask, axes, chunk_size, density, backend, *, wire, algorithm):
         lambda v: allreduce(v, axes, chunk_mask=mask, max_chunks=bound, **opts),
         g,
     )
-    payload = jnp.where(many, nchunks, bound) * chunk_size * itemsize
+    # Bytes in float32: an int32 count overflows at 2 GiB of payload.
+    payload = jnp.where(many, nchunks, bound).astype(jnp.float32) * (chunk_size * itemsize)
     return reduced, payload
 
 
