@@ -76,7 +76,8 @@ def get_stats(opt_state) -> CommStats:
 
 def wire_bytes(payload: jax.Array, shape: tuple, algorithm: str) -> jax.Array:
     """Per-device bytes on the wire for an allreduce of `payload` bytes over a
-    mesh of `shape` (the reduced axes), as in CommStats.bytes_sent."""
+    mesh of `shape` (the reduced axes), as in CommStats.bytes_sent. Every
+    algorithm but "hierarchical" counts as one flat allreduce."""
     payload = jnp.asarray(payload, jnp.float32)
     if algorithm == "hierarchical":
         inter, intra = shape

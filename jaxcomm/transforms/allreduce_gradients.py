@@ -124,18 +124,15 @@ def allreduce_gradients(
       1
     """
     _checks.check_choice("op", op, _checks.OPS)
-    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
-    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    axes = _axes.normalize(axis_name)
+    # The collectives' own resolution, run once here so bad options fail at
+    # construction rather than at the first traced step.
+    resolved = _frontend.resolve_backend(backend)
+    _frontend.resolve_algorithm(algorithm, resolved, axes)
     wire = _checks.check_wire_dtype(wire_dtype)
     if bucket_bytes is None:
-        xla = _frontend.resolve_backend(backend) == "xla"
-        bucket_bytes = 0 if xla else DEFAULT_BUCKET_BYTES
+        bucket_bytes = 0 if resolved == "xla" else DEFAULT_BUCKET_BYTES
     theta = check_bucket_bytes(bucket_bytes)
-    axes = _axes.normalize(axis_name)
-    if algorithm == "hierarchical" and len(axes) != 2:
-        raise ValueError(
-            f"algorithm='hierarchical' needs axis_name=(inter_axis, intra_axis), got {axis_name!r}"
-        )
     narrow = wire is not None and wire.itemsize < 4
     if error_feedback and not narrow:
         raise ValueError(
@@ -184,7 +181,7 @@ def allreduce_gradients(
 
         stats = _state.CommStats(
             payload_bytes=jnp.float32(payload),
-            bytes_sent=_state.wire_bytes(payload, _axes.sizes(axes), _flat_or(algorithm)),
+            bytes_sent=_state.wire_bytes(payload, _axes.sizes(axes), algorithm),
             collectives=jnp.int32(count),
             density=jnp.float32(1),
             nonfinite=nonfinite,
@@ -192,10 +189,6 @@ def allreduce_gradients(
         return out, AllReduceGradientsState(residual, buffer, stats)
 
     return optax.GradientTransformation(init, update)
-
-
-def _flat_or(algorithm: str) -> str:
-    return "hierarchical" if algorithm == "hierarchical" else "flat"
 
 
 def _reduce_in_buckets(leaves, axes, n, op, theta, opts):

@@ -190,8 +190,8 @@ def chunk_sparse(
         norm_payload = nchunks * 4
         stats = _state.CommStats(
             payload_bytes=(payload + norm_payload).astype(jnp.float32),
-            bytes_sent=_state.wire_bytes(payload, place.shape, _flat_or(algorithm))
-            + _state.wire_bytes(norm_payload, place.shape, _flat_or(algorithm)),
+            bytes_sent=_state.wire_bytes(payload, place.shape, algorithm)
+            + _state.wire_bytes(norm_payload, place.shape, algorithm),
             collectives=jnp.int32(2),
             density=jnp.mean(state.mask.astype(jnp.float32)),
             nonfinite=nonfinite,
@@ -222,10 +222,6 @@ def _check_options(density, chunk_size, warmup_steps, residual_decay) -> None:
         raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
     if not isinstance(residual_decay, (int, float)) or not 0 <= residual_decay <= 1:
         raise ValueError(f"residual_decay={residual_decay!r} must be in [0, 1]")
-
-
-def _flat_or(algorithm: str) -> str:
-    return "hierarchical" if algorithm == "hierarchical" else "flat"
 
 
 def _pool_dtype(leaves):
