@@ -37,7 +37,9 @@ def check_wire_dtype(wire_dtype) -> np.dtype | None:
     try:
         dtype = np.dtype(wire_dtype)
     except TypeError as e:
-        raise TypeError(f"wire_dtype={wire_dtype!r} is not a dtype") from e
+        raise TypeError(
+            f"wire_dtype={wire_dtype!r} is not a dtype; use None or one of {_names(WIRE_DTYPES)}"
+        ) from e
     if dtype not in [np.dtype(d) for d in WIRE_DTYPES]:
         raise TypeError(
             f"wire_dtype={dtype.name} is not supported; use None or one of {_names(WIRE_DTYPES)}"
@@ -45,9 +47,14 @@ def check_wire_dtype(wire_dtype) -> np.dtype | None:
     return dtype
 
 
+def is_integer(value) -> bool:
+    """A Python or NumPy integer; bool is not (True would pass for 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_chunking(chunk_mask, chunk_size, size: int, max_chunks) -> int:
     """Validates a chunk mask against an input of `size` elements; returns the chunk count."""
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+    if not is_integer(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
     nchunks = -(-size // int(chunk_size))
     if chunk_mask.dtype != jnp.bool_:
@@ -57,6 +64,10 @@ def check_chunking(chunk_mask, chunk_size, size: int, max_chunks) -> int:
             f"chunk_mask has shape {chunk_mask.shape}; an input of {size} elements in chunks "
             f"of {chunk_size} needs shape ({nchunks},)"
         )
-    if max_chunks is not None and not (0 < max_chunks <= max(nchunks, 1)):
-        raise ValueError(f"max_chunks={max_chunks!r} must be in [1, {nchunks}]")
+    bound = max(nchunks, 1)
+    if max_chunks is not None and not (is_integer(max_chunks) and 0 < max_chunks <= bound):
+        raise ValueError(
+            f"max_chunks={max_chunks!r} must be None or an integer in [1, {bound}] "
+            "(at most the chunk count of chunk_mask)"
+        )
     return nchunks

@@ -31,17 +31,25 @@ def resolve_backend(backend: str, *, masked: bool = False) -> str:
     return backend
 
 
-def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
+def check_algorithm(algorithm: str, backend: str, axes: tuple) -> None:
+    """The algorithm checks that need no platform (backend may still be
+    'auto'), so a transform can run them when it is built without making JAX
+    pick its backend (which jax.distributed.initialize must precede)."""
     _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
     if algorithm == "hierarchical" and len(axes) != 2:
         raise ValueError(
             f"algorithm='hierarchical' needs axis_name=(inter_axis, intra_axis), got {axes!r}"
         )
-    if algorithm == "direct" and backend != "ffi":
+    if algorithm == "direct" and backend == "xla":
         raise ValueError(
             "algorithm='direct' is the shared-memory schedule of backend='ffi'; "
             "with backend='xla' use 'auto' (lax.psum), 'ring' or 'hierarchical'"
         )
+
+
+def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
+    """`backend` is resolved ('xla' or 'ffi')."""
+    check_algorithm(algorithm, backend, axes)
     if algorithm == "auto":
         # On one host the direct schedule beats the ring (see bench/allreduce.py);
         # XLA picks its own all-reduce algorithm.

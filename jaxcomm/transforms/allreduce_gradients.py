@@ -137,7 +137,7 @@ def allreduce_gradients(
     if error_feedback and not narrow:
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "
-            f"it needs wire_dtype=float16 or bfloat16, got {wire_dtype!r}"
+            f"it needs wire_dtype=float16 or bfloat16, got {None if wire is None else wire.name}"
         )
     reduce_opts = dict(algorithm=algorithm, backend=backend, wire_dtype=wire)
 
@@ -151,13 +151,13 @@ def allreduce_gradients(
 
     def update(updates, state, params=None):
         del params
+        for i, leaf in enumerate(jax.tree.leaves(updates)):
+            _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
         n = _axes.placement(axes).size
         grads = updates
         if error_feedback:
             grads = jax.tree.map(jnp.add, grads, _state.local(state.residual))
         leaves, treedef = jax.tree.flatten(grads)
-        for i, leaf in enumerate(leaves):
-            _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
         reduced, payload, count = _reduce_in_buckets(leaves, axes, n, op, theta, reduce_opts)
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = _any_nonfinite(reduced) if check_finite else jnp.bool_(False)

@@ -129,11 +129,20 @@ def chunk_sparse(
       >>> float(jaxcomm.get_stats(state).density)
       1.0
     """
-    _check_options(density, chunk_size, warmup_steps, residual_decay)
-    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"inner={inner!r} must be an optax.GradientTransformation, e.g. optax.sgd(0.1)"
+        )
+    density, chunk_size, warmup_steps, residual_decay = _check_options(
+        density, chunk_size, warmup_steps, residual_decay
+    )
     _checks.check_choice("backend", backend, _checks.BACKENDS)
     wire = _checks.check_wire_dtype(wire_dtype)
     axes = _axes.normalize(axis_name)
+    # What can be checked without the platform; a missing ffi handler is
+    # reported at the first step (resolving the backend here would make JAX
+    # pick its backend before jax.distributed.initialize).
+    _frontend.check_algorithm(algorithm, backend, axes)
 
     def init(params):
         leaves = jax.tree.leaves(params)
@@ -213,15 +222,23 @@ def chunk_sparse(
     return optax.GradientTransformation(init, update)
 
 
-def _check_options(density, chunk_size, warmup_steps, residual_decay) -> None:
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+def _check_options(density, chunk_size, warmup_steps, residual_decay) -> tuple:
+    """Validates the numeric options; returns them as Python numbers (NumPy
+    scalars are accepted)."""
+    if not _is_real(density) or not 0 < density <= 1:
         raise ValueError(f"density={density!r} must be in (0, 1]")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+    if not _checks.is_integer(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
-    if not isinstance(residual_decay, (int, float)) or not 0 <= residual_decay <= 1:
+    if not _is_real(residual_decay) or not 0 <= residual_decay <= 1:
         raise ValueError(f"residual_decay={residual_decay!r} must be in [0, 1]")
+    return float(density), int(chunk_size), int(warmup_steps), float(residual_decay)
+
+
+def _is_real(value) -> bool:
+    """A Python or NumPy real number; bool is not. NaN fails every range check."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _pool_dtype(leaves):
