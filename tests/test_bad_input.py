@@ -1,69 +1,604 @@
-"""Bad input gives a clear error at trace time, naming the argument."""
+"""Bad input gives a clear error naming the argument and what is allowed.
+
+Options are checked when a transform is built; data (dtypes, axis names, a
+missing ffi handler) when the collective or the transform's step is traced.
+Every bad input tried is a row of one of these tables:
+
+- COLLECTIVES: jaxcomm.allreduce, reduce_scatter and all_gather, traced on 2 devices.
+- ALLREDUCE_GRADIENTS_OPTIONS, CHUNK_SPARSE_OPTIONS: at construction.
+- TRANSFORM_STEPS: allreduce_gradients and chunk_sparse, at their first traced step.
+- FFI_MISSING x FFI_CALLS: backend="ffi" without the compiled extension, or
+  without a handler for this platform, for every entry point.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from transform_harness import run_steps
 from util import mesh_of, run_sharded
 
 import jaxcomm
+from jaxcomm.collectives import _ffi
 
-# (description, kwargs for allreduce, input dtype, expected exception, message pattern)
-BAD_INPUTS = [
-    ("integer input", {}, np.int32, TypeError, "x has dtype int32"),
-    ("complex input", {}, np.complex64, TypeError, "x has dtype complex64"),
-    ("unknown op", {"op": "max"}, np.float32, ValueError, "op='max'"),
-    ("unknown algorithm", {"algorithm": "tree"}, np.float32, ValueError, "algorithm='tree'"),
-    ("unknown backend", {"backend": "mpi"}, np.float32, ValueError, "backend='mpi'"),
-    ("integer wire dtype", {"wire_dtype": jnp.int8}, np.float32, TypeError, "wire_dtype=int8"),
+# What the messages list as allowed.
+INPUT_DTYPES = "jaxcomm collectives take float32, float16, bfloat16, float64"
+WIRE_DTYPES = "use None or one of float16, bfloat16, float32, float64"
+OPS = r"use one of \('sum', 'mean'\)"
+ALGORITHMS = r"use one of \('auto', 'ring', 'hierarchical', 'direct'\)"
+BACKENDS = r"use one of \('auto', 'xla', 'ffi'\)"
+HIERARCHICAL = r"algorithm='hierarchical' needs axis_name=\(inter_axis, intra_axis\)"
+DIRECT = r"algorithm='direct' is the shared-memory schedule of backend='ffi'"
+UNBOUND = r"are not bound here \(bound: \['i'\]\); call jaxcomm collectives inside"
+
+AR, RS, AG = jaxcomm.allreduce, jaxcomm.reduce_scatter, jaxcomm.all_gather
+F32, F16 = np.float32, jnp.float16
+MASK2 = jnp.ones(2, bool)  # the 2 chunks of an 8-element input in chunks of 4
+
+# (description, collective, kwargs (axis_name defaults to "i"), input dtype,
+#  expected exception, message pattern). Inputs are 8 elements per device.
+COLLECTIVES = [
+    ("allreduce: integer input", AR, {}, np.int32, TypeError, f"x has dtype int32; {INPUT_DTYPES}"),
     (
-        "hierarchical on one axis",
-        {"algorithm": "hierarchical"},
-        np.float32,
-        ValueError,
-        "needs axis_name=\\(inter_axis, intra_axis\\)",
-    ),
-    (
-        "direct on xla",
-        {"algorithm": "direct", "backend": "xla"},
-        np.float32,
-        ValueError,
-        "algorithm='direct'",
-    ),
-    ("unbound axis", {"axis_name": "nope"}, np.float32, NameError, "not bound here"),
-    (
-        "chunk_size <= 0",
-        {"chunk_mask": jnp.ones(1, bool), "chunk_size": 0},
-        np.float32,
-        ValueError,
-        "chunk_size=0",
-    ),
-    (
-        "mask of wrong length",
-        {"chunk_mask": jnp.ones(5, bool), "chunk_size": 4},
-        np.float32,
-        ValueError,
-        "needs shape \\(2,\\)",
-    ),
-    (
-        "non-boolean mask",
-        {"chunk_mask": jnp.ones(2), "chunk_size": 4},
-        np.float32,
+        "allreduce: integer input, float16 wire",
+        AR,
+        {"wire_dtype": F16},
+        np.int32,
         TypeError,
-        "chunk_mask must be boolean",
+        f"x has dtype int32; {INPUT_DTYPES}",
+    ),
+    ("allreduce: bool input", AR, {}, np.bool_, TypeError, f"x has dtype bool; {INPUT_DTYPES}"),
+    (
+        "allreduce: complex input",
+        AR,
+        {},
+        np.complex64,
+        TypeError,
+        f"x has dtype complex64; {INPUT_DTYPES}",
+    ),
+    ("allreduce: unknown op", AR, {"op": "max"}, F32, ValueError, f"op='max' .*{OPS}"),
+    (
+        "allreduce: unknown algorithm",
+        AR,
+        {"algorithm": "tree"},
+        F32,
+        ValueError,
+        f"algorithm='tree' .*{ALGORITHMS}",
+    ),
+    (
+        "allreduce: unknown backend",
+        AR,
+        {"backend": "mpi"},
+        F32,
+        ValueError,
+        f"backend='mpi' .*{BACKENDS}",
+    ),
+    (
+        "allreduce: integer wire dtype",
+        AR,
+        {"wire_dtype": jnp.int8},
+        F32,
+        TypeError,
+        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "allreduce: bool wire dtype",
+        AR,
+        {"wire_dtype": bool},
+        F32,
+        TypeError,
+        f"wire_dtype=bool is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "allreduce: complex wire dtype",
+        AR,
+        {"wire_dtype": jnp.complex64},
+        F32,
+        TypeError,
+        f"wire_dtype=complex64 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "allreduce: wire dtype that is not a dtype",
+        AR,
+        {"wire_dtype": "nope"},
+        F32,
+        TypeError,
+        f"wire_dtype='nope' is not a dtype; {WIRE_DTYPES}",
+    ),
+    (
+        "allreduce: hierarchical on one axis",
+        AR,
+        {"algorithm": "hierarchical"},
+        F32,
+        ValueError,
+        f"{HIERARCHICAL}, got \\('i',\\)",
+    ),
+    (
+        "allreduce: hierarchical, second axis not bound",
+        AR,
+        {"algorithm": "hierarchical", "axis_name": ("i", "j")},
+        F32,
+        NameError,
+        f"\\['j'\\] {UNBOUND}",
+    ),
+    (
+        "allreduce: direct on xla",
+        AR,
+        {"algorithm": "direct", "backend": "xla"},
+        F32,
+        ValueError,
+        f"{DIRECT}; with backend='xla' use 'auto'",
+    ),
+    (
+        "allreduce: unbound axis",
+        AR,
+        {"axis_name": "nope"},
+        F32,
+        NameError,
+        f"\\['nope'\\] {UNBOUND}",
+    ),
+    (
+        "allreduce: no axis",
+        AR,
+        {"axis_name": ()},
+        F32,
+        ValueError,
+        "axis_name must name at least one axis",
+    ),
+    (
+        "allreduce: repeated axis",
+        AR,
+        {"axis_name": ("i", "i")},
+        F32,
+        ValueError,
+        r"axis_name=\('i', 'i'\) repeats an axis",
+    ),
+    (
+        "allreduce: unknown unselected",
+        AR,
+        {"chunk_mask": MASK2, "chunk_size": 4, "unselected": "drop"},
+        F32,
+        ValueError,
+        r"unselected='drop' is not supported; use one of \('local', 'zero'\)",
+    ),
+    *[
+        (
+            f"allreduce: chunk_size={size!r}",
+            AR,
+            {"chunk_mask": jnp.ones(1, bool), "chunk_size": size},
+            F32,
+            ValueError,
+            f"chunk_size={size!r} must be a positive integer",
+        )
+        for size in (0, -1, 4.0, True)
+    ],
+    (
+        "allreduce: mask of wrong length",
+        AR,
+        {"chunk_mask": jnp.ones(5, bool), "chunk_size": 4},
+        F32,
+        ValueError,
+        r"chunk_mask has shape \(5,\); an input of 8 elements in chunks of 4 needs shape \(2,\)",
+    ),
+    (
+        "allreduce: non-boolean mask",
+        AR,
+        {"chunk_mask": jnp.ones(2), "chunk_size": 4},
+        F32,
+        TypeError,
+        "chunk_mask must be boolean, got float32",
+    ),
+    *[
+        (
+            f"allreduce: max_chunks={bound!r}",
+            AR,
+            {"chunk_mask": MASK2, "chunk_size": 4, "max_chunks": bound, "backend": "xla"},
+            F32,
+            ValueError,
+            f"max_chunks={bound!r} must be None or an integer in \\[1, 2\\]",
+        )
+        for bound in (0, 3, 1.5)
+    ],
+    (
+        "reduce_scatter: integer input",
+        RS,
+        {"wire_dtype": F16},
+        np.int32,
+        TypeError,
+        f"x has dtype int32; {INPUT_DTYPES}",
+    ),
+    (
+        "reduce_scatter: complex input",
+        RS,
+        {},
+        np.complex64,
+        TypeError,
+        f"x has dtype complex64; {INPUT_DTYPES}",
+    ),
+    ("reduce_scatter: unknown op", RS, {"op": "max"}, F32, ValueError, f"op='max' .*{OPS}"),
+    (
+        "reduce_scatter: unknown backend",
+        RS,
+        {"backend": "mpi"},
+        F32,
+        ValueError,
+        f"backend='mpi' .*{BACKENDS}",
+    ),
+    (
+        "reduce_scatter: integer wire dtype",
+        RS,
+        {"wire_dtype": jnp.int8},
+        F32,
+        TypeError,
+        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "reduce_scatter: unbound axis",
+        RS,
+        {"axis_name": "nope"},
+        F32,
+        NameError,
+        f"\\['nope'\\] {UNBOUND}",
+    ),
+    (
+        "all_gather: integer input",
+        AG,
+        {},
+        np.int32,
+        TypeError,
+        f"x has dtype int32; {INPUT_DTYPES}",
+    ),
+    (
+        "all_gather: complex input",
+        AG,
+        {},
+        np.complex64,
+        TypeError,
+        f"x has dtype complex64; {INPUT_DTYPES}",
+    ),
+    (
+        "all_gather: unknown backend",
+        AG,
+        {"backend": "mpi"},
+        F32,
+        ValueError,
+        f"backend='mpi' .*{BACKENDS}",
+    ),
+    (
+        "all_gather: integer wire dtype",
+        AG,
+        {"wire_dtype": jnp.int8},
+        F32,
+        TypeError,
+        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "all_gather: unbound axis",
+        AG,
+        {"axis_name": "nope"},
+        F32,
+        NameError,
+        f"\\['nope'\\] {UNBOUND}",
     ),
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input(case):
-    _, kwargs, dtype, error, pattern = case
+@pytest.mark.parametrize("case", COLLECTIVES, ids=[c[0] for c in COLLECTIVES])
+def test_collective_bad_input(case):
+    _, collective, kwargs, dtype, error, pattern = case
     kwargs = dict(kwargs)
     axis = kwargs.pop("axis_name", "i")
     xs = np.ones((2, 8), dtype)
     with pytest.raises(error, match=pattern):
-        run_sharded(lambda x: jaxcomm.allreduce(x, axis, **kwargs), mesh_of((2,), ("i",)), xs)
+        run_sharded(lambda x: collective(x, axis, **kwargs), mesh_of((2,), ("i",)), xs)
+
+
+# (description, kwargs for allreduce_gradients (axis_name defaults to "data"),
+#  expected exception, message pattern): raised by the constructor.
+ALLREDUCE_GRADIENTS_OPTIONS = [
+    (
+        "bucket_bytes < 0",
+        {"bucket_bytes": -1},
+        ValueError,
+        r"bucket_bytes=-1 must be >= 0 \(0: one collective per leaf\)",
+    ),
+    (
+        "bucket_bytes nan",
+        {"bucket_bytes": float("nan")},
+        ValueError,
+        "bucket_bytes=nan must be >= 0",
+    ),
+    (
+        "bucket_bytes not a number",
+        {"bucket_bytes": "big"},
+        TypeError,
+        "bucket_bytes='big' must be a number of bytes or math.inf",
+    ),
+    (
+        "integer wire dtype",
+        {"wire_dtype": jnp.int8},
+        TypeError,
+        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "complex wire dtype",
+        {"wire_dtype": jnp.complex64},
+        TypeError,
+        f"wire_dtype=complex64 is not supported; {WIRE_DTYPES}",
+    ),
+    (
+        "wire dtype not a dtype",
+        {"wire_dtype": "nope"},
+        TypeError,
+        "wire_dtype='nope' is not a dtype",
+    ),
+    ("unknown op", {"op": "max"}, ValueError, f"op='max' .*{OPS}"),
+    ("unknown algorithm", {"algorithm": "tree"}, ValueError, f"algorithm='tree' .*{ALGORITHMS}"),
+    ("unknown backend", {"backend": "mpi"}, ValueError, f"backend='mpi' .*{BACKENDS}"),
+    (
+        "hierarchical on one axis",
+        {"algorithm": "hierarchical"},
+        ValueError,
+        f"{HIERARCHICAL}, got \\('data',\\)",
+    ),
+    (
+        "hierarchical on three axes",
+        {"algorithm": "hierarchical", "axis_name": ("a", "b", "c")},
+        ValueError,
+        HIERARCHICAL,
+    ),
+    ("direct on xla", {"algorithm": "direct", "backend": "xla"}, ValueError, DIRECT),
+    (
+        "error feedback without a wire dtype",
+        {"error_feedback": True},
+        ValueError,
+        "error_feedback=True .* needs wire_dtype=float16 or bfloat16, got None",
+    ),
+    (
+        "error feedback with a float32 wire",
+        {"error_feedback": True, "wire_dtype": jnp.float32},
+        ValueError,
+        "error_feedback=True .* needs wire_dtype=float16 or bfloat16, got float32$",
+    ),
+    ("no axis", {"axis_name": ()}, ValueError, "axis_name must name at least one axis"),
+]
+
+
+@pytest.mark.parametrize(
+    "case", ALLREDUCE_GRADIENTS_OPTIONS, ids=[c[0] for c in ALLREDUCE_GRADIENTS_OPTIONS]
+)
+def test_allreduce_gradients_bad_option_at_construction(case):
+    _, kwargs, error, pattern = case
+    kwargs = dict(kwargs)
+    axis = kwargs.pop("axis_name", "data")
+    with pytest.raises(error, match=pattern):
+        jaxcomm.allreduce_gradients(axis, **kwargs)
+
+
+# (description, kwargs for chunk_sparse (density defaults to 0.1, inner to
+#  optax.sgd(0.1)), expected exception, message pattern): raised by the constructor.
+CHUNK_SPARSE_OPTIONS = [
+    *[
+        (f"density={d!r}", {"density": d}, ValueError, f"density={d!r} must be in \\(0, 1\\]")
+        for d in (0, -0.1, 1.5, float("nan"), True, "0.5")
+    ],
+    *[
+        (
+            f"chunk_size={c!r}",
+            {"chunk_size": c},
+            ValueError,
+            f"chunk_size={c!r} must be a positive integer",
+        )
+        for c in (0, -1, 2.5)
+    ],
+    *[
+        (
+            f"warmup_steps={w!r}",
+            {"warmup_steps": w},
+            ValueError,
+            f"warmup_steps={w!r} must be an integer >= 0",
+        )
+        for w in (-1, 1.5)
+    ],
+    *[
+        (
+            f"residual_decay={r!r}",
+            {"residual_decay": r},
+            ValueError,
+            f"residual_decay={r!r} must be in \\[0, 1\\]",
+        )
+        for r in (-0.1, 1.5, float("nan"), True)
+    ],
+    (
+        "integer wire dtype",
+        {"wire_dtype": jnp.int32},
+        TypeError,
+        f"wire_dtype=int32 is not supported; {WIRE_DTYPES}",
+    ),
+    ("unknown algorithm", {"algorithm": "tree"}, ValueError, f"algorithm='tree' .*{ALGORITHMS}"),
+    ("unknown backend", {"backend": "nccl"}, ValueError, f"backend='nccl' .*{BACKENDS}"),
+    (
+        "hierarchical on one axis",
+        {"algorithm": "hierarchical"},
+        ValueError,
+        f"{HIERARCHICAL}, got \\('data',\\)",
+    ),
+    ("direct on xla", {"algorithm": "direct", "backend": "xla"}, ValueError, DIRECT),
+    (
+        "inner is not a transformation",
+        {"inner": optax.sgd},
+        TypeError,
+        "inner=<function sgd .*> must be an optax.GradientTransformation",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_SPARSE_OPTIONS, ids=[c[0] for c in CHUNK_SPARSE_OPTIONS])
+def test_chunk_sparse_bad_option_at_construction(case):
+    _, kwargs, error, pattern = case
+    kwargs = {"inner": optax.sgd(0.1), "density": 0.1, **kwargs}
+    inner = kwargs.pop("inner")
+    with pytest.raises(error, match=pattern):
+        jaxcomm.chunk_sparse(inner, "data", **kwargs)
+
+
+def test_numpy_scalars_are_valid_options():
+    """NumPy scalars pass the checks that reject bools and strings."""
+    tx = jaxcomm.chunk_sparse(
+        optax.sgd(0.1),
+        "data",
+        density=np.float32(0.5),
+        chunk_size=np.int64(4),
+        warmup_steps=np.int32(2),
+        residual_decay=np.float64(0.9),
+    )
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+def _ar_grads(axis="data", **kwargs):
+    return jaxcomm.allreduce_gradients(axis, **kwargs)
+
+
+def _sparse(axis="data", **kwargs):
+    return jaxcomm.chunk_sparse(optax.sgd(0.1), axis, density=0.5, chunk_size=2, **kwargs)
+
+
+# (description, transform factory, gradient dtype, expected exception, message pattern):
+# raised when the first step is traced on the 8-device mesh ("data",).
+TRANSFORM_STEPS = [
+    (
+        "allreduce_gradients: integer gradient, float16 wire",
+        lambda: _ar_grads(wire_dtype=F16),
+        np.int32,
+        TypeError,
+        f"gradient leaf 0 has dtype int32; {INPUT_DTYPES}",
+    ),
+    (
+        "allreduce_gradients: complex gradient",
+        lambda: _ar_grads(),
+        np.complex64,
+        TypeError,
+        f"gradient leaf 0 has dtype complex64; {INPUT_DTYPES}",
+    ),
+    (
+        "allreduce_gradients: unbound axis",
+        lambda: _ar_grads("nope"),
+        F32,
+        NameError,
+        r"\['nope'\] are not bound here \(bound: \['data'\]\)",
+    ),
+    (
+        "allreduce_gradients: hierarchical, inner axis not bound",
+        lambda: _ar_grads(("data", "node"), algorithm="hierarchical"),
+        F32,
+        NameError,
+        r"\['node'\] are not bound here \(bound: \['data'\]\)",
+    ),
+    (
+        "chunk_sparse: integer gradient",
+        lambda: _sparse(wire_dtype=F16),
+        np.int32,
+        TypeError,
+        f"gradient leaf 0 has dtype int32; {INPUT_DTYPES}",
+    ),
+    (
+        "chunk_sparse: complex gradient",
+        lambda: _sparse(),
+        np.complex64,
+        TypeError,
+        f"gradient leaf 0 has dtype complex64; {INPUT_DTYPES}",
+    ),
+    (
+        "chunk_sparse: unbound axis (init sizes the residual)",
+        lambda: _sparse("nope"),
+        F32,
+        ValueError,
+        r"init needs the size of axes \['nope'\]: call init inside jax.shard_map",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TRANSFORM_STEPS, ids=[c[0] for c in TRANSFORM_STEPS])
+def test_transform_bad_input_at_trace(case):
+    _, make_tx, dtype, error, pattern = case
+    tx = make_tx()
+    mesh = mesh_of((8,), ("data",))
+    with pytest.raises(error, match=pattern):
+        run_steps(tx, {"w": np.zeros(4, dtype)}, [{"w": np.ones((8, 4), dtype)}], mesh)
+
+
+# backend="ffi" where it cannot run: (description, what _ffi reports, message).
+# _ffi.require() asks _extension() for the compiled module and _register()
+# for the platforms with handlers; patching them is what a build without the
+# extension, or without this platform's handlers, looks like.
+FFI_MISSING = [
+    (
+        "no extension",
+        ("_extension", lambda: None),
+        r"backend='ffi' needs jaxcomm's compiled extension \(jaxcomm._ffi\), which is not "
+        r"installed; .*use backend='xla'",
+    ),
+    (
+        "no handler for the platform",
+        ("_register", frozenset),
+        r"backend='ffi' has no handler for platform 'cpu' in this build \(available: \[\]\); "
+        r"use backend='xla'",
+    ),
+]
+
+
+def _collective_on_2(collective):
+    def call():
+        xs = np.ones((2, 8), np.float32)
+        run_sharded(lambda x: collective(x, "i", backend="ffi"), mesh_of((2,), ("i",)), xs)
+
+    return call
+
+
+def _first_step(make_tx):
+    def call():
+        tx = make_tx()
+        grads = [{"w": np.ones((8, 4), np.float32)}]
+        run_steps(tx, {"w": np.zeros(4, np.float32)}, grads, mesh_of((8,), ("data",)))
+
+    return call
+
+
+# (entry point, call that should fail): allreduce_gradients fails in its
+# constructor, chunk_sparse at its first step (it does not resolve the
+# backend before the step), the collectives when traced.
+FFI_CALLS = [
+    ("allreduce", _collective_on_2(AR)),
+    ("reduce_scatter", _collective_on_2(RS)),
+    ("all_gather", _collective_on_2(AG)),
+    ("allreduce_gradients", lambda: jaxcomm.allreduce_gradients("data", backend="ffi")),
+    ("chunk_sparse", _first_step(lambda: _sparse(backend="ffi"))),
+]
+
+
+@pytest.mark.parametrize("missing", FFI_MISSING, ids=[m[0] for m in FFI_MISSING])
+@pytest.mark.parametrize("call", FFI_CALLS, ids=[c[0] for c in FFI_CALLS])
+def test_ffi_backend_missing(monkeypatch, missing, call):
+    _, (attribute, replacement), pattern = missing
+    monkeypatch.setattr(_ffi, attribute, replacement)
+    with pytest.raises(RuntimeError, match=pattern):
+        call[1]()
+
+
+def test_ffi_missing_leaves_auto_on_xla(monkeypatch):
+    """Without the extension, backend='auto' (even with a chunk mask, where
+    it prefers ffi) falls back to xla instead of failing."""
+    monkeypatch.setattr(_ffi, "_extension", lambda: None)
+    monkeypatch.setattr(_ffi, "_register", frozenset)
+    xs = np.arange(16, dtype=np.float32).reshape(2, 8)
+    out = run_sharded(
+        lambda x: AR(x, "i", chunk_mask=MASK2, chunk_size=4, unselected="zero"),
+        mesh_of((2,), ("i",)),
+        xs,
+    )
+    np.testing.assert_array_equal(out, np.broadcast_to(xs.sum(0), (2, 8)))
 
 
 def test_bad_timeout():
