@@ -31,11 +31,20 @@ Method, per size:
   least ``--min-reps``, at most 1000); the reported time is the median.
 * Diagnostics, on stderr with the progress: the slowest/fastest ratio of
   the timed calls of each implementation (large on a busy machine), and the
-  minor page faults of one call. XLA's CPU runtime allocates every output
-  afresh, and from about 32 MiB per device (glibc's largest mmap threshold)
-  that memory comes fresh from the kernel: each call then faults in, and
-  the kernel zeroes, its whole output, a cost no algorithm can avoid and
-  the roofline leaves out.
+  minor page faults of one call.
+
+Page faults and huge pages. XLA's CPU runtime allocates every output afresh,
+and from 32 MiB per device (glibc's largest mmap threshold) that memory
+comes fresh from the kernel: each call faults in, and the kernel zeroes, its
+whole output, 4 KiB at a time. That cost belongs to neither algorithm (psum
+pays it alike) and the roofline leaves it out, but at 64 MiB it is more than
+half of the time. So the benchmark runs with glibc's transparent huge pages
+for its large allocations (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc
+2.35 or newer, with THP in ``madvise`` or ``always`` mode): the kernel then
+faults 2 MiB at a time. It re-executes itself with that setting before jax
+is imported, and says so in the header; ``--no-hugepages`` measures with
+plain 4 KiB pages. The same setting speeds up any XLA CPU program with large
+buffers.
 
 Bandwidth follows the nccl-tests convention for allreduce with N ranks::
 
@@ -49,17 +58,11 @@ The roofline. Before the sweep the host's copy bandwidth B is measured with
 numpy: min(cpu_count, 8) threads each ``np.copyto`` a 128 MiB float32 buffer
 into another several times (numpy releases the GIL while copying); B = bytes
 read + bytes written per second, best of 10 repetitions. With an n-byte
-message per rank, the direct algorithm's rank r
+message per rank, the direct algorithm reads every rank's input once and
+writes every rank's output once (the least any allreduce can move), so all
+N ranks together move ``2 N n`` bytes (16 n for N = 8), and
 
-  reads   n            (phase 1: chunk r, n / N bytes, from each of the N inputs)
-        + (N - 1) n / N (phase 2: the other N - 1 reduced chunks from their owners)
-  writes  n / N        (phase 1: its reduced chunk)
-        + (N - 1) n / N (phase 2: the other chunks into its output)
-
-so all N ranks together move ``N (n (2N - 1) / N + n) = (3N - 1) n`` bytes
-(23 n for N = 8), and
-
-  roofline_time = (3N - 1) n / B.
+  roofline_time = 2 N n / B.
 
 The fraction of the roofline that ffi achieves is roofline_time / ffi_time.
 The roofline bounds only messages whose working set (N inputs and N outputs)
@@ -116,6 +119,7 @@ DEFAULT_SIZES = power_of_4_sizes(4 << 10, 256 << 20)
 TARGET_MIN_SIZE = 1 << 20  # target (1): ffi <= psum from this size up
 ROOFLINE_SIZE = 64 << 20  # target (2): ffi >= ROOFLINE_TARGET of the roofline here
 ROOFLINE_TARGET = 0.5
+HUGEPAGES = "glibc.malloc.hugetlb=1"  # GLIBC_TUNABLES entry, see the docstring
 RTOL = ATOL = 1e-5  # 8 float32 values in [-1, 1): rounding error well below 1e-5
 
 
@@ -133,10 +137,31 @@ def build_impls(mesh) -> dict:
 
 
 def direct_bytes_moved(size: int, n: int = N) -> float:
-    """Bytes read plus written by all ranks of the direct algorithm (see module docstring)."""
-    per_rank_reads = size + (n - 1) * size / n
-    per_rank_writes = size / n + (n - 1) * size / n
-    return n * (per_rank_reads + per_rank_writes)
+    """Bytes read plus written by all ranks of the direct algorithm: every input
+    read once, every output written once (see module docstring)."""
+    return 2 * n * size
+
+
+def use_hugepages() -> None:
+    """Re-executes this process with glibc's huge pages, unless it has them."""
+    if HUGEPAGES in os.environ.get("GLIBC_TUNABLES", ""):
+        return
+    # glibc reads its tunables only when a process starts.
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGEPAGES]))
+    env = {**os.environ, "GLIBC_TUNABLES": tunables}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def page_mode() -> str:
+    """How large allocations get their pages, for the header."""
+    if HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", ""):
+        return "glibc's default, 4 KiB pages"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        thp = "unknown"
+    return f"GLIBC_TUNABLES={HUGEPAGES} (transparent huge pages: {thp})"
 
 
 def busbw(size: int, seconds: float) -> float:
@@ -333,6 +358,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--max-size", type=parse_size, default=None, help="drop sizes above this, e.g. 16M"
     )
+    parser.add_argument(
+        "--no-hugepages",
+        action="store_true",
+        help="keep glibc's 4 KiB pages for large allocations (see 'Page faults' above)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as a list of rows")
     parser.add_argument("--plot", metavar="PATH", help="write a busbw-vs-size plot (matplotlib)")
     parser.add_argument(
@@ -361,6 +391,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if argv is None and not args.no_hugepages:
+        use_hugepages()
     if jax.device_count() != N:
         sys.exit(
             f"need {N} devices, found {jax.device_count()}; run without XLA_FLAGS or with "
@@ -377,8 +409,9 @@ def main(argv=None) -> None:
     )
     print(
         f"# copy bandwidth (read+write, {threads} threads): {bandwidth / 1e9:.2f} GB/s; "
-        f"roofline = {3 * N - 1} * size / copy bandwidth"
+        f"roofline = {2 * N} * size / copy bandwidth"
     )
+    print(f"# malloc: {page_mode()}")
     print("# float32 sum, time = median per call; busbw = size/time * 2(N-1)/N")
     print(f"# 1-minute load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
     print_header()

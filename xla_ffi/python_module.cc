@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "algorithm/schedule.h"
 #include "cpu/allreduce.h"
 #include "cpu/collective.h"
+#include "cpu/direct.h"
 #include "cpu/handlers.h"
 #include "cpu/rendezvous.h"
 #include "cpu/stats.h"
@@ -78,6 +80,15 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
       threads.emplace_back([&, r] {
         const CallSite site{
             "allreduce", run, 0, r, 0, r, nranks, intra_size, static_cast<Algorithm>(algorithm), 0};
+        if (site.algorithm == Algorithm::kDirect) {
+          std::promise<Status> done;
+          std::future<Status> result = done.get_future();
+          ArriveDirect(
+              {{run, 0, 0, Ring::kFlat, 0}, nranks, {site.op, 0}, spec, n},
+              {r, r, in_ptrs[r], out_ptrs[r], [&done](const Status& st) { done.set_value(st); }});
+          status[r] = result.get();
+          return;
+        }
         status[r] = RunCollective(site, [&](Rings& rings) {
           return ReduceContiguous(rings, site.algorithm, spec, in_ptrs[r], out_ptrs[r], n);
         });
@@ -116,7 +127,8 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("set_timeout", &SetTimeoutSeconds, py::arg("seconds"));
   m.def("get_timeout", &TimeoutSeconds);
   m.def(
-      "live_slots", [] { return jaxcomm::cpu::Registry::Get().live_slots(); },
+      "live_slots",
+      [] { return jaxcomm::cpu::Registry::Get().live_slots() + jaxcomm::cpu::LiveDirectSlots(); },
       "Rendezvous slots currently alive (0 when no collective is running).");
   m.def("run_threads", &RunThreads, py::arg("inputs"), py::arg("dtype"), py::arg("algorithm"),
         py::arg("wire") = -1, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,

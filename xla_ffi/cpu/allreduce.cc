@@ -19,7 +19,7 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
   Kernels& k = CpuKernels::Get();
   switch (algorithm) {
     case Algorithm::kDirect:
-      return DirectAllReduce(*rings.flat, k, spec, in, out, n);
+      break;  // no thread of it blocks: ArriveDirect, not a Rings body
     case Algorithm::kRing: {
       std::unique_ptr<char[]> scratch(new char[AllReduceScratchBytes(n, spec, rings.flat->size())]);
       return RingAllReduce(*rings.flat, k, spec, in, out, n, scratch.get());
@@ -30,7 +30,8 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
       return HierarchicalAllReduce(*rings.intra, *rings.inter, k, spec, in, out, n, scratch.get());
     }
   }
-  return Status(Code::kInvalidArgument, "jaxcomm allreduce: unknown algorithm");
+  return Status(Code::kInvalidArgument,
+                "jaxcomm allreduce: no blocking schedule for this algorithm");
 }
 
 namespace {
@@ -42,6 +43,62 @@ std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk
     if (mask[c]) ranges.push_back({c * chunk_size, std::min(n, (c + 1) * chunk_size)});
   }
   return ranges;
+}
+
+// Copies the selected chunks of `in` next to each other into `packed`.
+void Pack(const std::vector<Range>& chunks, const char* in, char* packed, size_t isz) {
+  size_t at = 0;
+  for (const Range& c : chunks) {
+    std::memcpy(packed + at * isz, in + c.begin * isz, c.size() * isz);
+    at += c.size();
+  }
+}
+
+// out = in, with the selected chunks taken from `packed`.
+void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed, char* out,
+            size_t n, size_t isz) {
+  if (out != in) std::memcpy(out, in, n * isz);
+  size_t at = 0;
+  for (const Range& c : chunks) {
+    std::memcpy(out + c.begin * isz, packed + at * isz, c.size() * isz);
+    at += c.size();
+  }
+}
+
+// The direct schedule: leave the buffers at the rendezvous and return; the
+// last rank's thread (and workers) complete the future.
+ffi::Future AllReduceDirect(const CallSite& site, const ReduceSpec& spec, const char* in, char* out,
+                            size_t n, const std::vector<Range>& chunks, bool masked,
+                            size_t packed) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  auto complete = [promise](const Status& st) mutable {
+    if (st.ok()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ToError(st));
+    }
+  };
+  DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
+                  site.nranks,
+                  {site.op, site.fingerprint},
+                  spec,
+                  masked ? packed : n};
+  if (!masked) {
+    ArriveDirect(call, {site.rank, site.device, in, out, std::move(complete)});
+    return future;
+  }
+  const size_t isz = SizeOf(spec.input);
+  std::shared_ptr<char[]> buffer(new char[std::max<size_t>(2 * packed, 1) * isz]);
+  char* packed_in = buffer.get();
+  char* packed_out = packed_in + packed * isz;
+  Pack(chunks, in, packed_in, isz);
+  ArriveDirect(call, {site.rank, site.device, packed_in, packed_out,
+                      [=, complete = std::move(complete)](const Status& st) mutable {
+                        if (st.ok()) Unpack(chunks, in, buffer.get() + packed * isz, out, n, isz);
+                        complete(st);
+                      }});
+  return future;
 }
 
 ffi::Error CheckAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
@@ -107,25 +164,19 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
   const Algorithm algo = site.algorithm;
+  // Only the selected chunks travel: pack them, reduce, unpack; the other
+  // chunks keep the local values.
+  if (algo == Algorithm::kDirect) {
+    return AllReduceDirect(site, spec, in, out, n, chunks, masked, packed);
+  }
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
     if (!masked) return ReduceContiguous(rings, algo, spec, in, out, n);
-    // Only the selected chunks travel: pack them, reduce, unpack; the other
-    // chunks keep the local values.
     std::unique_ptr<char[]> buffer(new char[std::max<size_t>(2 * packed, 1) * isz]);
     char* packed_in = buffer.get();
     char* packed_out = packed_in + packed * isz;
-    size_t at = 0;
-    for (const Range& c : chunks) {
-      std::memcpy(packed_in + at * isz, in + c.begin * isz, c.size() * isz);
-      at += c.size();
-    }
+    Pack(chunks, in, packed_in, isz);
     JAXCOMM_RETURN_IF_ERROR(ReduceContiguous(rings, algo, spec, packed_in, packed_out, packed));
-    if (out != in) std::memcpy(out, in, n * isz);
-    at = 0;
-    for (const Range& c : chunks) {
-      std::memcpy(out + c.begin * isz, packed_out + at * isz, c.size() * isz);
-      at += c.size();
-    }
+    Unpack(chunks, in, packed_out, out, n, isz);
     return Status::Ok();
   });
 }

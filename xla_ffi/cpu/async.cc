@@ -89,6 +89,8 @@ ffi::Future RunCollectiveAsync(CallSite site, std::function<Status(Rings&)> body
   return future;
 }
 
+void RunOnWorker(std::function<void()> task) { WorkerPool::Get().Submit(std::move(task)); }
+
 int WorkerThreads() { return WorkerPool::Get().threads(); }
 
 }  // namespace jaxcomm::cpu

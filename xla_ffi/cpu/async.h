@@ -26,6 +26,9 @@ ffi::Future CompletedFuture(const ffi::Error& error);
 // so a blocked collective never delays another one.
 ffi::Future RunCollectiveAsync(CallSite site, std::function<Status(Rings&)> body);
 
+// Runs `task` on a worker thread (the same pool), at once.
+void RunOnWorker(std::function<void()> task);
+
 // Worker threads started so far (they are kept for reuse).
 int WorkerThreads();
 

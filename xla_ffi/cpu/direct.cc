@@ -1,77 +1,262 @@
 #include "cpu/direct.h"
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "cpu/async.h"
+#include "cpu/stats.h"
 
 namespace jaxcomm::cpu {
 namespace {
+
+// Elements summed per pass: the partial sums stay in L1 while every rank's
+// slice streams through once.
+constexpr size_t kBlock = 4096;
+// Below this many elements per worker a thread hand-off costs more than the
+// memory traffic it shares.
+constexpr size_t kMinElementsPerWorker = 32768;
 
 const char* Offset(const void* p, size_t elems, DType t) {
   return static_cast<const char*>(p) + elems * SizeOf(t);
 }
 char* Offset(void* p, size_t elems, DType t) { return static_cast<char*>(p) + elems * SizeOf(t); }
 
-// Elements summed per pass: the partial sums stay in L1 while every peer's
-// slice streams through once.
-constexpr size_t kBlock = 4096;
+// One call whose ranks are arriving.
+struct Pending {
+  explicit Pending(const DirectCall& c)
+      : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + TimeoutDuration()) {}
+  static Clock::duration TimeoutDuration() {
+    return std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(TimeoutSeconds()));
+  }
+  std::string Describe() const { return DescribeCall(call.sig.op, call.key, call.nranks); }
+
+  DirectCall call;
+  std::vector<std::optional<DirectRank>> ranks;
+  int arrived = 0;
+  Clock::time_point start, deadline;
+  std::optional<Status> failure;  // set: every rank, present or late, gets it
+};
+
+// Sums elements [begin, end) over the ranks and writes them to every output.
+void ReduceRange(const Pending& p, size_t begin, size_t end) {
+  Kernels& k = CpuKernels::Get();
+  const ReduceSpec& spec = p.call.spec;
+  const DType input = spec.input, wire = spec.wire, acc = spec.acc();
+  const int size = p.call.nranks;
+  // Contributions are cast to the wire type block by block as they are read.
+  const bool cast_in = wire != input || spec.prescale != 1.0;
+  alignas(64) double sum_storage[kBlock];
+  alignas(64) double wire_storage[kBlock];
+  void* sum = sum_storage;
+  void* on_wire = wire_storage;
+  for (size_t at = begin; at < end; at += kBlock) {
+    const size_t len = std::min(kBlock, end - at);
+    for (int j = 0; j < size; ++j) {
+      const void* from = Offset(p.ranks[j]->in, at, input);
+      if (cast_in) {
+        k.Convert(on_wire, wire, from, input, len, spec.prescale);
+        from = on_wire;
+      }
+      if (j == 0) {
+        k.Convert(sum, acc, from, wire, len, 1.0);
+      } else {
+        k.Accumulate(sum, acc, from, wire, len);
+      }
+    }
+    // The reduced block travels in the wire type too: round it once, then
+    // every output receives the same bytes.
+    k.Convert(on_wire, wire, sum, acc, len, spec.postscale);
+    for (int j = 0; j < size; ++j) {
+      k.Convert(Offset(p.ranks[j]->out, at, input), input, on_wire, wire, len, 1.0);
+    }
+  }
+}
+
+void Finish(const Pending& p) {
+  const size_t n = p.call.n;
+  const int size = p.call.nranks;
+  for (int r = 0; r < size; ++r) {
+    // Accounted as a ring would send: the other chunks once, its own N-1 times.
+    const size_t own = ChunkRange(n, size, r).size();
+    RecordCall(p.ranks[r]->device, (n - own + (size - 1) * own) * SizeOf(p.call.spec.wire));
+  }
+  for (int r = 0; r < size; ++r) p.ranks[r]->done(Status::Ok());
+}
+
+// Every rank is here: share the elements between this thread and workers;
+// whoever finishes last completes every rank.
+void Reduce(std::shared_ptr<Pending> p) {
+  const size_t n = p->call.n;
+  if (p->call.nranks == 1) {
+    const ReduceSpec& s = p->call.spec;
+    CpuKernels::Get().Convert(p->ranks[0]->out, s.input, p->ranks[0]->in, s.input, n,
+                              s.prescale * s.postscale);
+    return Finish(*p);
+  }
+  const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t parts =
+      std::clamp<size_t>(n / kMinElementsPerWorker, 1, std::min<size_t>(cores, p->call.nranks));
+  auto left = std::make_shared<std::atomic<size_t>>(parts);
+  auto part = [p, left, n, parts](size_t i) {
+    ReduceRange(*p, n * i / parts, n * (i + 1) / parts);
+    if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*p);
+  };
+  for (size_t i = 1; i < parts; ++i) RunOnWorker([part, i] { part(i); });
+  part(0);
+}
+
+class DirectRendezvous {
+ public:
+  static DirectRendezvous& Get() {
+    static auto* r = new DirectRendezvous();  // never destroyed: the watchdog outlives exit
+    return *r;
+  }
+
+  void Arrive(const DirectCall& call, DirectRank me) {
+    if (me.rank < 0 || me.rank >= call.nranks) {
+      return me.done(Status(Code::kInvalidArgument,
+                            "jaxcomm " + call.sig.op + ": rank " + std::to_string(me.rank) +
+                                " is outside a group of " + std::to_string(call.nranks)));
+    }
+    std::unique_lock<std::mutex> l(mu_);
+    std::shared_ptr<Pending>& slot = slots_[call.key];
+    if (!slot) {
+      slot = std::make_shared<Pending>(call);
+      StartWatchdog();
+      cv_.notify_one();  // a new, possibly earlier, deadline
+    }
+    std::shared_ptr<Pending> p = slot;
+    std::vector<DirectRank> failed;
+    if (p->ranks[me.rank] || p->call.nranks != call.nranks) {
+      // Not a rank of this round: fail it alone, the round goes on.
+      const std::string msg =
+          p->Describe() + ": rank " + std::to_string(me.rank) +
+          (p->ranks[me.rank] ? " arrived twice"
+                             : " called it for a group of " + std::to_string(call.nranks));
+      l.unlock();
+      return me.done(Status(Code::kInvalidArgument, msg));
+    }
+    if (!p->failure && p->call.sig.fingerprint != call.sig.fingerprint) {
+      p->failure = Status(Code::kInvalidArgument,
+                          p->Describe() + ": ranks " + std::to_string(FirstRank(*p)) + " and " +
+                              std::to_string(me.rank) +
+                              " called it with different sizes, dtypes, options or chunk masks");
+      failed = TakeWaiting(*p);
+    }
+    p->arrived++;
+    if (p->failure) {
+      // Late ranks of a failed round fail at once; the last one removes it.
+      p->ranks[me.rank] = DirectRank{me.rank, me.device, nullptr, nullptr, nullptr};
+      if (p->arrived == p->call.nranks) slots_.erase(call.key);
+      const Status failure = *p->failure;
+      l.unlock();
+      for (DirectRank& r : failed) r.done(failure);
+      return me.done(failure);
+    }
+    p->ranks[me.rank] = std::move(me);
+    if (p->arrived < p->call.nranks) return;
+    slots_.erase(call.key);
+    l.unlock();
+    Reduce(std::move(p));
+  }
+
+  size_t live() {
+    std::lock_guard<std::mutex> l(mu_);
+    return slots_.size();
+  }
+
+ private:
+  static int FirstRank(const Pending& p) {
+    for (int r = 0; r < p.call.nranks; ++r) {
+      if (p.ranks[r]) return r;
+    }
+    return -1;
+  }
+
+  // The ranks of `p` that wait for a completion, with their callbacks moved out.
+  static std::vector<DirectRank> TakeWaiting(Pending& p) {
+    std::vector<DirectRank> waiting;
+    for (auto& r : p.ranks) {
+      if (r && r->done) {
+        waiting.push_back(std::move(*r));
+        r->done = nullptr;
+      }
+    }
+    return waiting;
+  }
+
+  void StartWatchdog() {
+    if (watching_) return;
+    watching_ = true;
+    std::thread([this] { Watch(); }).detach();
+  }
+
+  // Fails the ranks of every call whose deadline passed, naming the absent.
+  void Watch() {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      std::optional<Clock::time_point> next;
+      for (const auto& [key, p] : slots_) {
+        if (!next || p->deadline < *next) next = p->deadline;
+      }
+      if (!next) {
+        cv_.wait(l);
+        continue;
+      }
+      if (cv_.wait_until(l, *next) == std::cv_status::no_timeout) continue;
+      const Clock::time_point now = Clock::now();
+      std::vector<std::pair<std::vector<DirectRank>, Status>> expired;
+      for (auto it = slots_.begin(); it != slots_.end();) {
+        Pending& p = *it->second;
+        if (p.deadline > now) {
+          ++it;
+          continue;
+        }
+        std::vector<int> missing, devices;
+        for (int r = 0; r < p.call.nranks; ++r) {
+          if (p.ranks[r]) {
+            devices.push_back(p.ranks[r]->device);
+          } else {
+            missing.push_back(r);
+          }
+        }
+        Status st = p.failure
+                        ? *p.failure
+                        : Status(Code::kDeadlineExceeded,
+                                 p.Describe() + ": " +
+                                     NotArrived(missing, p.call.nranks, now - p.start, devices));
+        expired.emplace_back(TakeWaiting(p), std::move(st));
+        it = slots_.erase(it);
+      }
+      l.unlock();
+      for (auto& [ranks, st] : expired) {
+        for (DirectRank& r : ranks) r.done(st);
+      }
+      l.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;  // wakes the watchdog
+  std::map<SlotKey, std::shared_ptr<Pending>> slots_;
+  bool watching_ = false;
+};
 
 }  // namespace
 
-Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec, const void* in,
-                       void* out, size_t n) {
-  const int size = t.size(), r = t.rank();
-  if (size == 1) {
-    k.Convert(out, spec.input, in, spec.input, n, spec.prescale * spec.postscale);
-    return Status::Ok();
-  }
-  const DType wire = spec.wire, acc = spec.acc();
-  const Range own = ChunkRange(n, size, r);
-
-  // What peers read from this rank: its contribution in the wire type, and
-  // its reduced chunk (straight in the output when no cast is needed).
-  std::unique_ptr<char[]> contribution_copy, result_copy;
-  const void* contribution = in;
-  if (wire != spec.input || spec.prescale != 1.0) {
-    contribution_copy.reset(new char[n * SizeOf(wire)]);
-    k.Convert(contribution_copy.get(), wire, in, spec.input, n, spec.prescale);
-    contribution = contribution_copy.get();
-  }
-  void* result = Offset(out, own.begin, spec.input);
-  if (wire != spec.input) {
-    result_copy.reset(new char[std::max<size_t>(own.size(), 1) * SizeOf(wire)]);
-    result = result_copy.get();
-  }
-  Slot& slot = t.slot();
-  slot.Publish(r, contribution, result);
-  JAXCOMM_RETURN_IF_ERROR(slot.Barrier(r, t.deadline()));
-
-  // Phase 1: reduce the own chunk, ranks summed in order 0..N-1.
-  alignas(64) double block_storage[kBlock];
-  void* block = block_storage;
-  for (size_t off = 0; off < own.size(); off += kBlock) {
-    const size_t len = std::min(kBlock, own.size() - off);
-    const size_t at = own.begin + off;
-    k.Convert(block, acc, Offset(slot.PublishedA(0), at, wire), wire, len, 1.0);
-    for (int j = 1; j < size; ++j) {
-      k.Accumulate(block, acc, Offset(slot.PublishedA(j), at, wire), wire, len);
-    }
-    k.Convert(Offset(result, off, wire), wire, block, acc, len, spec.postscale);
-  }
-  JAXCOMM_RETURN_IF_ERROR(slot.Barrier(r, t.deadline()));
-
-  // Phase 2: collect every owner's chunk, starting with the right neighbour's
-  // so the ranks do not all read rank 0 at once.
-  for (int i = 1; i <= size; ++i) {
-    const int c = (r + i) % size;
-    if (slot.PublishedB(c) == Offset(out, own.begin, spec.input)) continue;  // already in place
-    const Range chunk = ChunkRange(n, size, c);
-    k.Convert(Offset(out, chunk.begin, spec.input), spec.input, slot.PublishedB(c), wire,
-              chunk.size(), 1.0);
-  }
-  // Peers may still be reading this rank's buffers until everyone is here.
-  JAXCOMM_RETURN_IF_ERROR(slot.Barrier(r, t.deadline()));
-  t.CountSent((n - own.size() + (size - 1) * own.size()) * SizeOf(wire));
-  return Status::Ok();
+void ArriveDirect(const DirectCall& call, DirectRank me) {
+  DirectRendezvous::Get().Arrive(call, std::move(me));
 }
+
+size_t LiveDirectSlots() { return DirectRendezvous::Get().live(); }
 
 }  // namespace jaxcomm::cpu

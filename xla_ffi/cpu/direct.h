@@ -1,18 +1,46 @@
-// The shared-memory allreduce: every rank reads its peers' buffers directly.
+// The shared-memory allreduce, in which no thread waits for a peer.
 //
 // On one host the ring's N-1 dependent steps are pure overhead: all memory is
-// one hop away. Rank r sums chunk r straight out of every rank's input (in a
-// fixed rank order, so the result is deterministic), then every rank copies
-// the other chunks from their owners. Three barriers, no staging copies, and
-// the same bytes leave each rank as in the ring: 2(N-1)/N of the payload.
+// one hop away. So each rank only leaves its buffers at the rendezvous and
+// returns; the last rank to arrive sums every element over the ranks (in rank
+// order 0..N-1, so all ranks get the same bits) and writes the sum straight
+// into every rank's output, sharing the elements with a few worker threads.
+// Every input byte is read once and every output byte written once, the
+// least any allreduce moves through memory. A rank that never arrives is
+// reported by a watchdog once the deadline passes.
 #pragma once
+
+#include <cstddef>
+#include <functional>
 
 #include "algorithm/schedule.h"
 #include "cpu/rendezvous.h"
 
 namespace jaxcomm::cpu {
 
-Status DirectAllReduce(InProcessTransport& t, Kernels& k, const ReduceSpec& spec, const void* in,
-                       void* out, size_t n);
+// What all ranks of one call share; they must agree on all of it.
+struct DirectCall {
+  SlotKey key;
+  int nranks;
+  CallSignature sig;
+  ReduceSpec spec;
+  size_t n;  // elements per rank
+};
+
+// One rank's part of a call.
+struct DirectRank {
+  int rank;
+  int device;  // for stats
+  const void* in;
+  void* out;
+  std::function<void(const Status&)> done;  // called once, from any thread
+};
+
+// Registers `me`; when it is the last rank, runs the reduction before
+// returning (on this thread and workers). Never blocks on a peer.
+void ArriveDirect(const DirectCall& call, DirectRank me);
+
+// Direct calls whose ranks are still arriving (0 when none is running).
+size_t LiveDirectSlots();
 
 }  // namespace jaxcomm::cpu

@@ -9,6 +9,10 @@ namespace {
 
 std::atomic<double> g_timeout_seconds{60.0};
 
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
 std::string RankList(const std::vector<int>& ranks) {
   std::ostringstream s;
   s << "[";
@@ -17,9 +21,24 @@ std::string RankList(const std::vector<int>& ranks) {
   return s.str();
 }
 
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+std::string NotArrived(const std::vector<int>& missing, int nranks, Clock::duration waited,
+                       const std::vector<int>& present_devices) {
+  return "ranks " + RankList(missing) + " of " + std::to_string(nranks) +
+         " did not arrive within " + std::to_string(Seconds(waited)) + " s (devices " +
+         RankList(present_devices) +
+         " did); is the collective under a condition that differs between devices, or are "
+         "several steps in flight?";
+}
 
-}  // namespace
+std::string DescribeCall(const std::string& op, const SlotKey& key, int nranks) {
+  std::ostringstream s;
+  s << "jaxcomm " << op << " (op " << key.op_id << ", run " << key.run_id << ", group "
+    << key.group;
+  if (key.ring == Ring::kIntra) s << ", intra-node ring " << key.ring_index;
+  if (key.ring == Ring::kInter) s << ", inter-node ring " << key.ring_index;
+  s << ", " << nranks << " ranks)";
+  return s.str();
+}
 
 double TimeoutSeconds() { return g_timeout_seconds.load(); }
 void SetTimeoutSeconds(double seconds) { g_timeout_seconds.store(seconds); }
@@ -34,15 +53,7 @@ Slot::Slot(const SlotKey& key, int nranks, std::string op)
       boxes_(new Mailbox[nranks]),
       published_(nranks) {}
 
-std::string Slot::Describe() const {
-  std::ostringstream s;
-  s << "jaxcomm " << op_ << " (op " << key_.op_id << ", run " << key_.run_id << ", group "
-    << key_.group;
-  if (key_.ring == Ring::kIntra) s << ", intra-node ring " << key_.ring_index;
-  if (key_.ring == Ring::kInter) s << ", inter-node ring " << key_.ring_index;
-  s << ", " << nranks_ << " ranks)";
-  return s.str();
-}
+std::string Slot::Describe() const { return DescribeCall(op_, key_, nranks_); }
 
 void Slot::WakeAll() {
   { std::lock_guard<std::mutex> l(mu_); }
@@ -56,13 +67,35 @@ void Slot::WakeAll() {
 }
 
 void Slot::Abort(const std::string& reason) {
+  bool first = false;
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (aborted_) return;
-    aborted_ = true;
-    abort_reason_ = reason;
+    if (!aborted_) {
+      first = true;
+      aborted_ = true;
+      abort_reason_ = reason;
+    }
   }
-  WakeAll();
+  if (first) WakeAll();
+  // Peers already inside a PeerAccess finish their bounded copy loop; no new
+  // one starts. Waiting here is what makes returning the buffers safe.
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return accessing_ == 0; });
+}
+
+bool Slot::BeginAccess() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (aborted_) return false;
+  ++accessing_;
+  return true;
+}
+
+void Slot::EndAccess() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (--accessing_ > 0) return;
+  }
+  cv_.notify_all();
 }
 
 bool Slot::aborted() const {
@@ -103,7 +136,7 @@ Status Slot::Barrier(int rank, Clock::time_point deadline) {
   return Status(Code::kDeadlineExceeded, msg);
 }
 
-void Slot::Publish(int rank, const void* a, const void* b) {
+void Slot::Publish(int rank, const void* a, void* b) {
   published_[rank].a = a;  // read by peers only after the next Barrier
   published_[rank].b = b;
 }
@@ -146,7 +179,11 @@ Status Slot::SendRecv(int rank, uint64_t step, const void* send, size_t send_byt
     }
     src = theirs.ptr;
   }
-  if (recv_bytes) std::memcpy(recv, src, recv_bytes);
+  {
+    PeerAccess access(*this);  // the sender may give up meanwhile: it waits for this
+    if (!access.ok()) return AbortedStatus();
+    if (recv_bytes) std::memcpy(recv, src, recv_bytes);
+  }
   {
     std::lock_guard<std::mutex> l(theirs.mu);
     theirs.taken = step;
@@ -245,11 +282,7 @@ Status Registry::Join(const SlotKey& key, int rank, int nranks, int device,
       present_devices.push_back(slot->devices_[r]);
   }
   const std::string msg =
-      slot->Describe() + ": ranks " + RankList(missing) + " of " + std::to_string(nranks) +
-      " did not arrive within " + std::to_string(Seconds(Clock::now() - start)) + " s (devices " +
-      RankList(present_devices) +
-      " did); is the collective under a condition that differs between devices, or are "
-      "several steps in flight?";
+      slot->Describe() + ": " + NotArrived(missing, nranks, Clock::now() - start, present_devices);
   l.unlock();
   slot->Abort(msg);
   cv_.notify_all();

@@ -47,6 +47,14 @@ struct CallSignature {
   uint64_t fingerprint;  // hash of sizes, dtypes, algorithm, mask count
 };
 
+// "jaxcomm allreduce (op 3, run 7, group 0, 8 ranks)": how errors name a call.
+std::string DescribeCall(const std::string& op, const SlotKey& key, int nranks);
+// "[2, 5]"
+std::string RankList(const std::vector<int>& ranks);
+// "ranks [2, 5] of 8 did not arrive within 60 s (devices [...] did); ..."
+std::string NotArrived(const std::vector<int>& missing, int nranks, Clock::duration waited,
+                       const std::vector<int>& present_devices);
+
 class Slot {
  public:
   Slot(const SlotKey& key, int nranks, std::string op);
@@ -55,6 +63,8 @@ class Slot {
   int nranks() const { return nranks_; }
 
   // Wakes every waiter of this slot with `reason`; later waits fail at once.
+  // Returns only when no peer is inside a PeerAccess any more, so a rank that
+  // gives up can hand its buffers back to XLA: nobody reads or writes them.
   void Abort(const std::string& reason);
   bool aborted() const;
   Status AbortedStatus() const;
@@ -62,10 +72,15 @@ class Slot {
   // All ranks wait here; used by the direct schedule between its phases.
   Status Barrier(int rank, Clock::time_point deadline);
 
-  // Pointers a rank exposes to its peers (direct schedule).
-  void Publish(int rank, const void* a, const void* b);
+  // Pointers a rank exposes to its peers (direct schedule): one to read, one
+  // to write.
+  void Publish(int rank, const void* a, void* b);
   const void* PublishedA(int rank) const { return published_[rank].a; }
-  const void* PublishedB(int rank) const { return published_[rank].b; }
+  void* PublishedB(int rank) const { return published_[rank].b; }
+
+  // Brackets a rank's reads or writes of a peer's memory (see PeerAccess).
+  bool BeginAccess();
+  void EndAccess();
 
   // One paired exchange, see Transport::SendRecv.
   Status SendRecv(int rank, uint64_t step, const void* send, size_t send_bytes, void* recv,
@@ -86,7 +101,7 @@ class Slot {
   };
   struct Exposed {
     const void* a = nullptr;
-    const void* b = nullptr;
+    void* b = nullptr;
   };
   void WakeAll();
 
@@ -110,9 +125,29 @@ class Slot {
   std::vector<uint64_t> barriers_passed_;
   int barrier_waiting_ = 0;
   uint64_t barrier_generation_ = 0;
+  int accessing_ = 0;  // ranks inside a PeerAccess
 
   std::unique_ptr<Mailbox[]> boxes_;
   std::vector<Exposed> published_;
+};
+
+// While alive, the owning rank may touch the memory its peers published; it
+// holds no lock, so the bracketed work must not wait for anything. ok() is
+// false when the slot was already aborted: then touch nothing, the peer may be
+// gone.
+class PeerAccess {
+ public:
+  explicit PeerAccess(Slot& slot) : slot_(slot), ok_(slot.BeginAccess()) {}
+  ~PeerAccess() {
+    if (ok_) slot_.EndAccess();
+  }
+  PeerAccess(const PeerAccess&) = delete;
+  PeerAccess& operator=(const PeerAccess&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  Slot& slot_;
+  const bool ok_;
 };
 
 class Registry {
