@@ -20,6 +20,12 @@ On CPU, JAX's collectives across processes run over gloo (TCP), which jax
 0.10.2 selects by default (``jax_cpu_collectives_implementation="gloo"``) once
 ``jax.distributed`` is initialized; :func:`initialize` sets it explicitly so an
 inherited ``"mpi"`` or ``None`` cannot leave CPU collectives single-process.
+
+When a process dies, the others end too, non-zero, in seconds
+(``docs/faults.md``): a collective with it fails as soon as its TCP connection
+closes, and JAX's coordination service aborts every process once the dead one
+has missed heartbeats for ``heartbeat_timeout_s`` (30 s here, JAX's default is
+100 s).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 
 import jax
@@ -44,7 +51,14 @@ ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
 ENV_COORDINATOR_PORT = "JAXCOMM_COORDINATOR_PORT"
 JAX_ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 
+# Seconds without a heartbeat after which JAX's coordination service declares a
+# process dead and aborts all of them. JAX's own default (100 s) lets a job sit
+# on a frozen or vanished process for over a minute and a half; heartbeats come
+# from a C++ thread, so a busy or slow Python step does not miss them.
+HEARTBEAT_TIMEOUT_S = 30
+
 __all__ = [
+    "HEARTBEAT_TIMEOUT_S",
     "ProcessSettings",
     "first_slurm_host",
     "hierarchical_mesh",
@@ -240,6 +254,7 @@ def initialize(
     *,
     local_device_count: int | None = None,
     fail_fast: bool = True,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
 ) -> ProcessSettings:
     """Joins this process to a multi-process JAX job (``jax.distributed``).
 
@@ -262,7 +277,13 @@ def initialize(
         job hangs instead of failing; a launcher (``jaxcomm.launch``,
         ``srun --kill-on-bad-exit``, ``mpirun``) can only stop the others once
         this process has exited. ``sys.exit(code)`` still goes through the
-        barrier.
+        barrier. After the traceback, one line names this process and, when
+        a cross-process collective lost its connection, says that another
+        process has most likely died.
+      heartbeat_timeout_s: seconds after which a process that sent no
+        heartbeat (killed, frozen, its host gone) is declared dead; JAX then
+        aborts every process of the job with a message naming it. Raise it
+        for hosts that may stall longer than that and recover.
 
     Returns:
       The :class:`ProcessSettings` used.
@@ -286,22 +307,48 @@ def initialize(
             num_processes=settings.num_processes,
             process_id=settings.process_id,
             cluster_detection_method="deactivate",
+            heartbeat_timeout_seconds=_as_int(heartbeat_timeout_s, "heartbeat_timeout_s"),
         )
         if fail_fast:
-            sys.excepthook = _exit_after(sys.excepthook)
+            sys.excepthook = _exit_after(sys.excepthook, settings)
     return settings
 
 
-def _exit_after(print_exception):
+# How a collective (gloo) or the coordination service (gRPC) reports a peer
+# that went away.
+_LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused", re.I)
+# Process 0 hosts JAX's coordination service; once it exits, JAX aborts every
+# other process at once. On an error it waits this long first, so that the
+# others' own messages (often the same error) get out.
+_COORDINATOR_LINGER_S = 1.0
+
+
+def _exit_after(print_exception, settings: ProcessSettings):
     """An excepthook that prints as ``print_exception`` does, then exits at once."""
 
     def hook(exc_type, exc, traceback):
+        code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
         try:
             print_exception(exc_type, exc, traceback)
+            why = f"uncaught {exc_type.__name__}"
+            if _LOST_PEER.search(str(exc)):
+                why += (
+                    ": lost the connection to another process of this job, which has most "
+                    "likely died; its log says why"
+                )
+            print(
+                f"jaxcomm.distributed: process {settings.process_id} of "
+                f"{settings.num_processes} exits with code {code} ({why})",
+                file=sys.stderr,
+            )
             sys.stdout.flush()
             sys.stderr.flush()
+            from jax._src.distributed import global_state
+
+            if global_state.service is not None:
+                time.sleep(_COORDINATOR_LINGER_S)
         finally:
-            os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+            os._exit(code)
 
     return hook
 

@@ -1,11 +1,13 @@
 """Multi-process runs through ``python -m jaxcomm.launch``: 2 processes x 4 CPU
 devices train like 1 process x 8, the launcher stops a job when a rank fails,
-and jaxcomm.distributed reads the environment of launch, srun and mpirun."""
+and jaxcomm.distributed reads the environment of launch, srun and mpirun.
+Without the launcher, processes end on their own when a peer dies or freezes."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,6 +237,135 @@ def test_free_port_can_be_bound():
     port = launch.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+# Plain processes, no launcher: what a process does on its own when a peer
+# dies.
+
+# One warm-up psum over a mesh that spans both processes (so compilation and
+# gloo's connections are done), then the victim idles and the survivor blocks
+# in a second psum that the victim never joins.
+BLOCKED_IN_PSUM = """
+    import os, time, jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxcomm.distributed as distributed
+
+    settings = distributed.initialize()
+    mesh = distributed.hierarchical_mesh()
+    x = jax.make_array_from_callback((2,), NamedSharding(mesh, P(("node", "local"))),
+                                     lambda i: np.ones(2, np.float32)[i])
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "local")), mesh=mesh,
+                                  in_specs=P(("node", "local")), out_specs=P()))
+    print("warm-up sum", float(total(x)[0]), flush=True)
+    if settings.process_id == int(os.environ["VICTIM"]):
+        print("victim idles", flush=True)
+        time.sleep(600)
+    print("survivor enters the collective", flush=True)
+    print("sum", float(total(x)[0]), flush=True)
+    print("survivor finished", flush=True)
+"""
+
+# What the survivor says: jaxcomm's excepthook after gloo lost the connection,
+# or JAX's coordination service aborting the process.
+PEER_DIED = re.compile(
+    r"another process of this job, which has most likely died"
+    r"|Terminating process because the JAX distributed service detected fatal errors"
+)
+
+
+def _start(tmp_path: Path, script: str, n: int = 2, **env_by_rank) -> list:
+    """``n`` processes of ``script`` with the JAXCOMM_* variables that
+    jaxcomm.launch would set, one CPU device each, output to rank<k>.log.
+    ``env_by_rank``: variable -> one value for all ranks, or a list per rank."""
+    port = launch.free_port()
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("JAX_COORDINATOR_ADDRESS", None)
+        env.update(
+            JAXCOMM_COORDINATOR=f"127.0.0.1:{port}",
+            JAXCOMM_NUM_PROCESSES=str(n),
+            JAXCOMM_PROCESS_ID=str(rank),
+            XLA_FLAGS=launch.with_device_count(env.get("XLA_FLAGS", ""), 1),
+        )
+        for name, value in env_by_rank.items():
+            env[name] = str(value[rank] if isinstance(value, list | tuple) else value)
+        with open(tmp_path / f"rank{rank}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
+    return procs
+
+
+def _log(tmp_path: Path, rank: int) -> str:
+    return (tmp_path / f"rank{rank}.log").read_text(errors="replace")
+
+
+def _wait_for(tmp_path: Path, rank: int, text: str, procs: list, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while text not in _log(tmp_path, rank):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            _kill(procs)
+            logs = "\n".join(f"--- rank {r}\n{_log(tmp_path, r)}" for r in range(len(procs)))
+            pytest.fail(f"rank {rank} never printed {text!r}\n{logs}")
+        time.sleep(0.1)
+
+
+def _kill(procs: list):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL also ends a stopped process
+        proc.wait()
+
+
+def _survivor_exit(tmp_path, victim: int, signum: int) -> tuple[int, float, str]:
+    """Starts BLOCKED_IN_PSUM on 2 processes, sends ``signum`` to ``victim``
+    once the other one is in the collective; returns the survivor's exit
+    code, seconds from the signal to its exit, and its output."""
+    script = _script(tmp_path, "blocked.py", BLOCKED_IN_PSUM)
+    procs = _start(tmp_path, script, VICTIM=victim)
+    survivor = 1 - victim
+    try:
+        _wait_for(tmp_path, victim, "victim idles", procs)
+        _wait_for(tmp_path, survivor, "survivor enters the collective", procs)
+        time.sleep(1)  # let it reach the collective's wait
+        procs[victim].send_signal(signum)
+        signalled = time.monotonic()
+        try:
+            code = procs[survivor].wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - signalled
+    finally:
+        _kill(procs)
+    output = _log(tmp_path, survivor)
+    assert code is not None, f"the survivor still runs 120 s after the signal:\n{output}"
+    return code, elapsed, output
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["coordinator-killed", "worker-killed"])
+def test_a_killed_process_ends_the_others_without_a_launcher(tmp_path, victim):
+    """SIGKILL: the survivor's collective fails as the TCP connection closes
+    (measured: 0.01-0.1 s), or JAX aborts it when the coordinator is gone."""
+    code, elapsed, output = _survivor_exit(tmp_path, victim, signal.SIGKILL)
+    assert code != 0, output
+    assert "survivor finished" not in output
+    assert PEER_DIED.search(output), output
+    assert elapsed < 60, f"the survivor took {elapsed:.0f} s to exit:\n{output}"
+
+
+@pytest.mark.slow
+def test_a_frozen_process_ends_the_others_by_heartbeat_timeout(tmp_path):
+    """SIGSTOP: the connection stays open and the collective would wait for
+    good; the coordination service finds the missing heartbeats after
+    HEARTBEAT_TIMEOUT_S (measured: 26 s) and aborts the survivor."""
+    code, elapsed, output = _survivor_exit(tmp_path, 1, signal.SIGSTOP)
+    assert code != 0, output
+    assert "survivor finished" not in output
+    assert "stopped sending heartbeats" in output, output
+    assert elapsed < 60, f"the survivor took {elapsed:.0f} s to exit:\n{output}"
 
 
 # jaxcomm.distributed.resolve_settings: pure functions of the environment.
