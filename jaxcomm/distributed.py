@@ -25,17 +25,21 @@ When a process dies, the others end too, non-zero, in seconds
 (``docs/faults.md``): a collective with it fails as soon as its TCP connection
 closes, and JAX's coordination service aborts every process once the dead one
 has missed heartbeats for ``heartbeat_timeout_s`` (30 s here, JAX's default is
-100 s).
+100 s). :func:`check_same_settings` makes the processes compare their
+settings once at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import os
 import re
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -60,6 +64,7 @@ HEARTBEAT_TIMEOUT_S = 30
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
     "ProcessSettings",
+    "check_same_settings",
     "first_slurm_host",
     "hierarchical_mesh",
     "initialize",
@@ -351,6 +356,155 @@ def _exit_after(print_exception, settings: ProcessSettings):
             os._exit(code)
 
     return hook
+
+
+_settings_checks = itertools.count()
+_RUNTIME_KEYS = (
+    "jax.__version__",
+    "jaxcomm.__version__",
+    "jax.default_backend()",
+    "jax.local_device_count()",
+)
+# Always compared: processes that disagree on it would wait for ones that do not exist.
+_COUNT_KEY = "jax.process_count()"
+
+
+def _canonical(value) -> str:
+    """A text for ``value`` that is equal in two processes iff the values are:
+    dict keys and set elements sorted (a set's repr follows string hashing,
+    which differs between processes)."""
+    if isinstance(value, Mapping):
+        items = sorted((str(k), _canonical(v)) for k, v in value.items())
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in items) + "}"
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(_canonical(v) for v in value)) + "}"
+    if isinstance(value, list | tuple):
+        inner = ", ".join(_canonical(v) for v in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    text = repr(value)
+    if re.search(r" at 0x[0-9a-fA-F]+", text):
+        raise TypeError(
+            f"cannot compare {text} between processes: its repr holds a memory address; "
+            "pass a plain value (str, number, tuple, dict) that stands for it"
+        )
+    return text
+
+
+def _processes(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:8])) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+    return f"process{'es' if len(ids) > 1 else ''} {shown}"
+
+
+def _differences(by_process: Mapping[int, Mapping[str, str]]) -> str | None:
+    """Lines naming each key whose canonical value differs between processes,
+    with the processes that hold each value; ``None`` if all agree."""
+    lines = []
+    for key in sorted({k for settings in by_process.values() for k in settings}):
+        holders: dict[str, list[int]] = {}
+        for process in sorted(by_process):
+            holders.setdefault(by_process[process].get(key, "<not set>"), []).append(process)
+        if len(holders) > 1:
+            values = "; ".join(f"{value} on {_processes(ids)}" for value, ids in holders.items())
+            lines.append(f"  {key}: {values}")
+    return "\n".join(lines) or None
+
+
+def check_same_settings(
+    settings: Mapping[str, Any], *, runtime: bool = True, timeout_s: float = 300
+) -> None:
+    """Raises in every process if ``settings`` differ between the processes of the job.
+
+    Call it once at start, after :func:`initialize`, with the same keys in every
+    process: e.g. the command-line flags and the options given to jaxcomm's
+    transforms. Processes that disagree on the wire dtype, the bucket size or
+    the algorithm trace different collectives and then hang or compute
+    garbage; this says which setting differs before the first step. Each
+    process publishes its settings through the ``jax.distributed`` key-value
+    store and reads everyone else's: a round trip and a barrier, no device
+    work. With ``runtime=True`` it starts JAX's backends, as the first
+    ``jax.devices()`` would. In a single process it only checks that the
+    values can be compared.
+
+    Values are compared by their ``repr``, with dict keys and set elements
+    sorted; a value whose repr holds a memory address (a function, most
+    objects) is refused, since it differs between processes anyway.
+
+    Args:
+      settings: name -> value: numbers, strings, dtypes, and tuples, lists,
+        dicts or sets of them.
+      runtime: also compare ``jax.__version__``, ``jaxcomm.__version__``,
+        ``jax.default_backend()`` and ``jax.local_device_count()``. The
+        process count (``jax.process_count()``) is always compared.
+      timeout_s: how long to wait for the other processes' settings.
+
+    Raises:
+      ValueError: some settings differ; the message names each key and the
+        processes that hold each value. Every process raises it.
+      TimeoutError: some processes did not publish their settings within
+        ``timeout_s`` (they never called this, or called it more often).
+      TypeError: a value that cannot be compared.
+
+    Examples:
+      >>> check_same_settings({"wire_dtype": "bfloat16", "bucket_bytes": 2**22})
+    """
+    own = {str(key): _canonical(value) for key, value in settings.items()}
+    clash = sorted(set(own) & {*_RUNTIME_KEYS, _COUNT_KEY})
+    if clash:
+        raise ValueError(f"settings {clash} are reserved for the ones check_same_settings adds")
+    if runtime:
+        import jaxcomm
+
+        runtime_values = (
+            jax.__version__,
+            jaxcomm.__version__,
+            jax.default_backend(),
+            jax.local_device_count(),
+        )
+        own.update(zip(_RUNTIME_KEYS, map(_canonical, runtime_values), strict=True))
+    from jax._src.distributed import global_state  # the client jax.distributed set up
+
+    client = global_state.client
+    if client is None or global_state.num_processes in (None, 1):
+        return
+    me, count = global_state.process_id, global_state.num_processes
+    own[_COUNT_KEY] = _canonical(count)
+    # Every process calls in the same order, so the n-th call meets the others' n-th.
+    prefix = f"jaxcomm/same_settings/{next(_settings_checks)}/"
+    client.key_value_set(prefix + str(me), json.dumps(own, sort_keys=True))
+    by_process = {me: own}
+    deadline = time.monotonic() + timeout_s
+    for process in range(count):
+        if process == me:
+            continue
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            by_process[process] = json.loads(
+                client.blocking_key_value_get(prefix + str(process), wait_ms)
+            )
+        except jax.errors.JaxRuntimeError as error:
+            if "DEADLINE_EXCEEDED" not in str(error):
+                raise
+            published = {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
+            missing = [p for p in range(count) if p not in published]
+            raise TimeoutError(
+                f"{_processes(missing)} did not publish settings within {timeout_s} s; "
+                "every process must call check_same_settings the same number of times"
+            ) from None
+        if by_process[process].get(_COUNT_KEY) != own[_COUNT_KEY]:
+            break  # the rest may not exist: report what differs now
+    else:
+        # Nobody raises before everyone has read: process 0 exiting takes the
+        # key-value store down with it.
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        client.wait_at_barrier(prefix + "read", wait_ms)
+    differences = _differences(by_process)
+    if differences:
+        raise ValueError(
+            f"settings differ between the processes of this job (this is process {me} of "
+            f"{count}):\n{differences}"
+        )
 
 
 def hierarchical_mesh(

@@ -1,7 +1,8 @@
 """Multi-process runs through ``python -m jaxcomm.launch``: 2 processes x 4 CPU
 devices train like 1 process x 8, the launcher stops a job when a rank fails,
 and jaxcomm.distributed reads the environment of launch, srun and mpirun.
-Without the launcher, processes end on their own when a peer dies or freezes."""
+Without the launcher, processes end on their own when a peer dies or freezes,
+and check_same_settings stops a job whose processes disagree."""
 
 from __future__ import annotations
 
@@ -240,7 +241,7 @@ def test_free_port_can_be_bound():
 
 
 # Plain processes, no launcher: what a process does on its own when a peer
-# dies.
+# dies, and check_same_settings.
 
 # One warm-up psum over a mesh that spans both processes (so compilation and
 # gloo's connections are done), then the victim idles and the survivor blocks
@@ -366,6 +367,93 @@ def test_a_frozen_process_ends_the_others_by_heartbeat_timeout(tmp_path):
     assert "survivor finished" not in output
     assert "stopped sending heartbeats" in output, output
     assert elapsed < 60, f"the survivor took {elapsed:.0f} s to exit:\n{output}"
+
+
+SAME_SETTINGS = """
+    import os
+    import jaxcomm.distributed as distributed
+
+    distributed.initialize()
+    distributed.check_same_settings(
+        {"wire_dtype": os.environ["WIRE_DTYPE"], "bucket_bytes": 2**22, "axes": ("node", "local")}
+    )
+    print("settings agree", flush=True)
+"""
+
+
+def _finish(procs: list, timeout: float = 120) -> list:
+    try:
+        return [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        _kill(procs)
+
+
+def test_check_same_settings_across_processes(tmp_path):
+    script = _script(tmp_path, "same.py", SAME_SETTINGS)
+    agree = tmp_path / "agree"
+    agree.mkdir()
+    assert _finish(_start(agree, script, WIRE_DTYPE="bfloat16")) == [0, 0]
+    assert "settings agree" in _log(agree, 0) and "settings agree" in _log(agree, 1)
+
+    differ = tmp_path / "differ"
+    differ.mkdir()
+    codes = _finish(_start(differ, script, WIRE_DTYPE=["bfloat16", "float16"]))
+    for rank in (0, 1):
+        output = _log(differ, rank)
+        assert codes[rank] == 1, output
+        assert "ValueError: settings differ between the processes of this job" in output
+        assert "wire_dtype: 'bfloat16' on process 0; 'float16' on process 1" in output
+        assert "bucket_bytes" not in output and "settings agree" not in output
+
+    # JAX lets processes that disagree on the count connect and start their
+    # backends; without this check they would wait for process 2.
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    codes = _finish(_start(counts, script, WIRE_DTYPE="bfloat16", JAXCOMM_NUM_PROCESSES=[2, 3]))
+    for rank in (0, 1):
+        output = _log(counts, rank)
+        assert codes[rank] != 0, output
+        assert "jax.process_count(): 2 on process 0; 3 on process 1" in output, output
+
+
+def test_check_same_settings_names_a_process_that_never_calls_it(tmp_path):
+    script = _script(
+        tmp_path,
+        "missing.py",
+        """
+        import jax
+        import jaxcomm.distributed as distributed
+
+        settings = distributed.initialize()
+        jax.devices()  # every process must start its backend: they meet to do so
+        if settings.process_id == 0:
+            distributed.check_same_settings({"lr": 0.1}, timeout_s=2)
+        """,
+    )
+    codes = _finish(_start(tmp_path, script))
+    assert codes[0] != 0
+    output = _log(tmp_path, 0)
+    assert "TimeoutError: process 1 did not publish settings within 2 s" in output, output
+
+
+def test_settings_differences_in_one_process():
+    differences = distributed._differences(
+        {0: {"a": "1", "b": "2"}, 1: {"a": "1", "b": "3"}, 2: {"a": "1"}}
+    )
+    assert differences == "  b: 2 on process 0; 3 on process 1; <not set> on process 2"
+    assert distributed._differences({0: {"a": "1"}, 1: {"a": "1"}}) is None
+    many = distributed._differences({p: {"k": str(p % 2)} for p in range(20)})
+    assert "0 on processes 0, 2, 4, 6, 8, 10, 12, 14, ... (10 in all)" in many
+    # Dicts and sets compare by content, not by insertion or hash order.
+    canonical = distributed._canonical
+    assert canonical({"b": 1, "a": {2, 1}}) == canonical({"a": {1, 2}, "b": 1})
+    assert canonical((1, [2])) != canonical([1, (2,)])
+    distributed.check_same_settings({"lr": 0.1, "dtype": np.dtype("float16")})
+    with pytest.raises(TypeError, match="memory address"):
+        distributed.check_same_settings({"loss": object()})
+    for reserved in ("jax.__version__", "jax.process_count()"):
+        with pytest.raises(ValueError, match="reserved"):
+            distributed.check_same_settings({reserved: "0"}, runtime=False)
 
 
 # jaxcomm.distributed.resolve_settings: pure functions of the environment.

@@ -153,6 +153,8 @@ def _replicated_value(array):
 def main(argv=None):
     args = parse_args(argv)
     settings = distributed.initialize(local_device_count=args.local_devices)
+    # Every process must run with the same flags: stop now, naming the one that differs.
+    distributed.check_same_settings(vars(args))
     import jax
 
     print(
