@@ -74,6 +74,7 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
     }
     // The reduced block travels in the wire type too: round it once, then
     // every output receives the same bytes.
+    if (spec.saturate()) k.Saturate(sum, acc, wire, len);
     k.Convert(on_wire, wire, sum, acc, len, spec.postscale);
     for (int j = 0; j < size; ++j) {
       k.Convert(Offset(p.ranks[j]->out, at, input), input, on_wire, wire, len, 1.0);
@@ -81,7 +82,24 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
   }
 }
 
-void Finish(const Pending& p) {
+using Done = std::function<void(const Status&)>;
+
+// Completing a rank's future may run that device's next work on the
+// completing thread (XLA continues inline), and that work can block in
+// another collective that needs the other devices, this thread's own device
+// included. So only `mine` (the rank whose handler runs on this thread, whose
+// future XLA has not seen yet) completes here, or none; the others each
+// complete on a worker of their own.
+void CompleteAll(std::vector<Done> done, const Status& st, int mine) {
+  for (size_t i = 0; i < done.size(); ++i) {
+    if (static_cast<int>(i) != mine && done[i])
+      RunOnWorker([d = std::move(done[i]), st] { d(st); });
+  }
+  if (mine >= 0 && mine < static_cast<int>(done.size()) && done[mine]) done[mine](st);
+}
+
+// `mine`: the rank whose handler thread this is, or -1 on a worker.
+void Finish(const Pending& p, int mine) {
   const size_t n = p.call.n;
   const int size = p.call.nranks;
   for (int r = 0; r < size; ++r) {
@@ -89,29 +107,32 @@ void Finish(const Pending& p) {
     const size_t own = ChunkRange(n, size, r).size();
     RecordCall(p.ranks[r]->device, (n - own + (size - 1) * own) * SizeOf(p.call.spec.wire));
   }
-  for (int r = 0; r < size; ++r) p.ranks[r]->done(Status::Ok());
+  std::vector<Done> done;
+  for (int r = 0; r < size; ++r) done.push_back(p.ranks[r]->done);
+  CompleteAll(std::move(done), Status::Ok(), mine);
 }
 
-// Every rank is here: share the elements between this thread and workers;
-// whoever finishes last completes every rank.
-void Reduce(std::shared_ptr<Pending> p) {
+// Every rank is here (`mine` arrived last, on this thread): share the
+// elements between this thread and workers; whoever finishes last completes
+// every rank.
+void Reduce(std::shared_ptr<Pending> p, int mine) {
   const size_t n = p->call.n;
   if (p->call.nranks == 1) {
     const ReduceSpec& s = p->call.spec;
     CpuKernels::Get().Convert(p->ranks[0]->out, s.input, p->ranks[0]->in, s.input, n,
                               s.prescale * s.postscale);
-    return Finish(*p);
+    return Finish(*p, mine);
   }
   const size_t cores = std::max(1u, std::thread::hardware_concurrency());
   const size_t parts =
       std::clamp<size_t>(n / kMinElementsPerWorker, 1, std::min<size_t>(cores, p->call.nranks));
   auto left = std::make_shared<std::atomic<size_t>>(parts);
-  auto part = [p, left, n, parts](size_t i) {
+  auto part = [p, left, n, parts](size_t i, int on) {
     ReduceRange(*p, n * i / parts, n * (i + 1) / parts);
-    if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*p);
+    if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*p, on);
   };
-  for (size_t i = 1; i < parts; ++i) RunOnWorker([part, i] { part(i); });
-  part(0);
+  for (size_t i = 1; i < parts; ++i) RunOnWorker([part, i] { part(i, -1); });
+  part(0, mine);
 }
 
 class DirectRendezvous {
@@ -135,7 +156,7 @@ class DirectRendezvous {
       cv_.notify_one();  // a new, possibly earlier, deadline
     }
     std::shared_ptr<Pending> p = slot;
-    std::vector<DirectRank> failed;
+    std::vector<Done> failed;
     if (p->ranks[me.rank] || p->call.nranks != call.nranks) {
       // Not a rank of this round: fail it alone, the round goes on.
       const std::string msg =
@@ -159,14 +180,15 @@ class DirectRendezvous {
       if (p->arrived == p->call.nranks) slots_.erase(call.key);
       const Status failure = *p->failure;
       l.unlock();
-      for (DirectRank& r : failed) r.done(failure);
-      return me.done(failure);
+      failed.insert(failed.begin(), std::move(me.done));  // index 0: this thread's rank
+      return CompleteAll(std::move(failed), failure, 0);
     }
-    p->ranks[me.rank] = std::move(me);
+    const int rank = me.rank;
+    p->ranks[rank] = std::move(me);
     if (p->arrived < p->call.nranks) return;
     slots_.erase(call.key);
     l.unlock();
-    Reduce(std::move(p));
+    Reduce(std::move(p), rank);
   }
 
   size_t live() {
@@ -182,12 +204,12 @@ class DirectRendezvous {
     return -1;
   }
 
-  // The ranks of `p` that wait for a completion, with their callbacks moved out.
-  static std::vector<DirectRank> TakeWaiting(Pending& p) {
-    std::vector<DirectRank> waiting;
+  // The callbacks of the ranks of `p` that wait for a completion, moved out.
+  static std::vector<Done> TakeWaiting(Pending& p) {
+    std::vector<Done> waiting;
     for (auto& r : p.ranks) {
       if (r && r->done) {
-        waiting.push_back(std::move(*r));
+        waiting.push_back(std::move(r->done));
         r->done = nullptr;
       }
     }
@@ -214,7 +236,7 @@ class DirectRendezvous {
       }
       if (cv_.wait_until(l, *next) == std::cv_status::no_timeout) continue;
       const Clock::time_point now = Clock::now();
-      std::vector<std::pair<std::vector<DirectRank>, Status>> expired;
+      std::vector<std::pair<std::vector<Done>, Status>> expired;
       for (auto it = slots_.begin(); it != slots_.end();) {
         Pending& p = *it->second;
         if (p.deadline > now) {
@@ -238,9 +260,7 @@ class DirectRendezvous {
         it = slots_.erase(it);
       }
       l.unlock();
-      for (auto& [ranks, st] : expired) {
-        for (DirectRank& r : ranks) r.done(st);
-      }
+      for (auto& [done, st] : expired) CompleteAll(std::move(done), st, -1);
       l.lock();
     }
   }
