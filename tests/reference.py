@@ -42,6 +42,15 @@ def _chunk(n: int, parts: int, c: int) -> slice:
     return slice(min(n, per * c), min(n, per * (c + 1)))
 
 
+def saturate(v: np.ndarray, wire, prescale) -> np.ndarray:
+    """A prescaled (mean) partial sum about to be rounded to the wire: finite
+    values clamped to the wire's largest finite value (ReduceSpec::saturate)."""
+    if prescale == 1.0:
+        return v
+    hi = v.dtype.type(float(ml_dtypes.finfo(wire).max))
+    return np.where(np.isinf(v), v, np.clip(v, -hi, hi))
+
+
 def direct_float32(xs: np.ndarray, wire, prescale=1.0, postscale=1.0) -> np.ndarray:
     """The direct schedule in NumPy float32: owner c sums chunk c over ranks
     0..N-1 (each value sent as `wire`), casts to wire, everyone reads it."""
@@ -56,7 +65,7 @@ def direct_float32(xs: np.ndarray, wire, prescale=1.0, postscale=1.0) -> np.ndar
         total = contributions[0, s].astype(acc_t)
         for j in range(1, n_ranks):
             total = total + contributions[j, s].astype(acc_t)
-        out[s] = (total * acc_t(postscale)).astype(wire).astype(acc_t)
+        out[s] = (saturate(total, wire, prescale) * acc_t(postscale)).astype(wire).astype(acc_t)
     return out
 
 
@@ -75,6 +84,7 @@ def ring_float32(xs: np.ndarray, wire, prescale=1.0, postscale=1.0) -> np.ndarra
         partial = acc[(c + 1) % n_ranks, s]
         for hop in range(2, n_ranks + 1):
             receiver = (c + hop) % n_ranks
-            partial = acc[receiver, s] + partial.astype(wire).astype(acc_t)
-        out[s] = (partial * acc_t(postscale)).astype(wire).astype(acc_t)
+            sent = saturate(partial, wire, prescale).astype(wire)
+            partial = acc[receiver, s] + sent.astype(acc_t)
+        out[s] = (saturate(partial, wire, prescale) * acc_t(postscale)).astype(wire).astype(acc_t)
     return out

@@ -1,17 +1,15 @@
-"""Float16 wire overflow: does prescaling by 1/N keep finite gradients finite?
+"""Float16 wire overflow: prescaling by 1/N plus a saturating wire keeps finite gradients finite.
 
 Issue 7 asks that FP16 wire casting never turn finite gradients into inf for
 any N up to 1024 while |g| <= M = 65504, the float16 maximum. Float16 rounds
 v to inf iff |v| >= 65520 = M + 16 (half an ulp above M; the tie goes to the
 even neighbour, 2^16).
 
-The argument for prescaling: each device sends p_i = fl32(g_i * fl32(1/N)),
-so |p_i| <= (M/N)(1 + 2^-24)^2 and any float32 sum of the p_i is at most
-M (1 + 2^-24)^2 (1 + (N-1) 2^-24) < 65509 < 65520 for N <= 1024.
-
-Where it breaks: what travels is float16. Direct and lax.psum send
-fl16(p_i); the ring sends fl16 of every partial sum. Each such rounding may go
-up by half an ulp, a relative 2^-11, and M * 2^-11 = 32 > 16, the headroom:
+Prescaling alone is not enough. Each device's p_i = fl32(g_i * fl32(1/N))
+has |p_i| <= (M/N)(1 + 2^-24)^2, so any float32 sum of the p_i is below
+65509 < 65520; but what travels is float16: direct and lax.psum send
+fl16(p_i), the ring sends fl16 of every partial sum, and each rounding may go
+up by a relative 2^-11, M * 2^-11 = 32 > 16, the headroom:
 
 - direct, N = 3: M/3 = 21834.67; float16 spacing in [2^14, 2^15) is 16, so
   fl16(M/3) = 21840, and the float32 sum 3 * 21840 = 65520 rounds to inf.
@@ -19,22 +17,21 @@ up by half an ulp, a relative 2^-11, and M * 2^-11 = 32 > 16, the headroom:
   26192, 32736, 39296, 45856, 52416, 58976, and 58976 + 6550.4 = 65526.4
   rounds to inf.
 
-Every step is a monotone rounding (float32 multiply and add, the float16
+So jaxcomm's schedules saturate (ReduceSpec::saturate, _xla.saturate): a
+prescaled partial sum is clamped to +-M before it is rounded to the wire;
+inf and NaN pass. The exact mean lies within [-M, M], so the clamp only
+removes rounding excess and the result stays within the float16 error bound.
+A plain sum (op="sum" on the collective, no prescale) is not clamped: its
+overflow is real and comes back as inf.
+
+Every step is monotone (float32 multiply and add, the clamp, the float16
 cast), so the result only grows with the inputs: every device at +M is the
 worst case for +inf (and -M for -inf), and one evaluation per N decides every
-input below M. What does hold, and is checked here: N a power of two (1/N is
-exact and so is N * fl16(M/N) = M), and the direct schedule for |g| <= 65472
-(one float16 ulp below M), since N fl16(p) <= 65472 (1 + 2^-11)(1 + 2^-24)^3
-(1 + 1023 * 2^-24) < 65509. The ring has no such margin: its roundings compound
-over N - 1 hops.
+input below M. The sweep replays the schedules for every N in 2..1024.
 
-So: on the 8 CPU devices, N in {2, 4, 8} is finite and within the fp16 bound
-for every schedule; N = 3 overflows for xla "auto" (lax.psum), xla
-"hierarchical" on a (1, 3) mesh (lax.psum_scatter) and ffi "direct" (strict
-xfails: the reproduction on real devices). For N up to 1024 the schedules
-are replayed in NumPy (tests/reference.py, checked bitwise against the
-library on the devices with inputs at and near M); the sweep over every N is a
-strict xfail for ring and direct at |g| = M.
+What jaxcomm cannot clamp: lax.psum and lax.psum_scatter add in float16
+inside XLA (xla "auto" and xla "hierarchical"), and N = 3 overflows there
+(strict xfails below); the ffi schedules and the xla ring do not.
 """
 
 from __future__ import annotations
@@ -55,10 +52,10 @@ BELOW_M_F32 = float(np.nextafter(F32(M), F32(0)))  # just below M, not a float16
 ROUNDS_TO_INF = M + 16  # 65520: half a float16 ulp (32 at 2^15..2^16) above M
 HIER_SHAPE = {2: (2, 1), 3: (1, 3), 4: (2, 2), 8: (2, 4)}  # (inter, intra), as in test_allreduce
 
-# Known overflows on the devices, explained in the module docstring: lax.psum,
-# lax.psum_scatter and the direct schedule add N float16 values fl16(M/N),
-# and 3 * 21840 = 65520.
-KNOWN_DEVICE_OVERFLOW = {(3, "xla", "auto"), (3, "xla", "hierarchical"), (3, "ffi", "direct")}
+# Known overflows on the devices, explained in the module docstring: lax.psum
+# and lax.psum_scatter add N float16 values fl16(M/N) inside XLA, where
+# nothing clamps, and 3 * 21840 = 65520.
+KNOWN_DEVICE_OVERFLOW = {(3, "xla", "auto"), (3, "xla", "hierarchical")}
 
 
 def _f16(x):
@@ -112,7 +109,7 @@ def _device_cases():
                 marks = [
                     pytest.mark.xfail(
                         strict=True,
-                        reason="issue 7: N * fl16(M/N) = 3 * 21840 = 65520 rounds to inf",
+                        reason="XLA adds in float16: 3 * fl16(M/3) = 3 * 21840 = 65520 -> inf",
                     )
                 ]
             yield pytest.param(n, backend, algorithm, marks=marks, id=f"n{n}-{backend}-{algorithm}")
@@ -186,22 +183,27 @@ def test_numpy_replay_is_bitwise_the_library_near_max(n, backend, algorithm):
 NS = np.arange(2, 1025)
 
 
-def ring_equal_rows(g: float, ns=NS) -> np.ndarray:
-    """Float32 result of the float16-wire ring mean over n devices all holding g."""
+def _clamp(v, saturate: bool):
+    return np.clip(v, -M, M) if saturate else v
+
+
+def ring_equal_rows(g: float, ns=NS, *, saturate=True) -> np.ndarray:
+    """Float32 result of the float16-wire ring mean over n devices all holding g
+    (finite g); saturate=False replays the schedule without the clamp."""
     p = F32(g) * (1.0 / ns).astype(F32)
     partial = p.copy()
     for hop in range(2, int(ns.max()) + 1):
-        partial = np.where(hop <= ns, p + _f16(partial), partial)
-    return _f16(partial)
+        partial = np.where(hop <= ns, p + _f16(_clamp(partial, saturate)), partial)
+    return _f16(_clamp(partial, saturate))
 
 
-def direct_equal_rows(g: float, ns=NS) -> np.ndarray:
+def direct_equal_rows(g: float, ns=NS, *, saturate=True) -> np.ndarray:
     """Float32 result of the float16-wire direct mean over n devices all holding g."""
     sent = _f16(F32(g) * (1.0 / ns).astype(F32))
     total = sent.copy()
     for rank in range(1, int(ns.max())):
         total = np.where(rank < ns, total + sent, total)
-    return _f16(total)
+    return _f16(_clamp(total, saturate))
 
 
 SWEEPS = {
@@ -225,31 +227,27 @@ def _overflowing(values: np.ndarray, ns=NS) -> list:
     return ns[~np.isfinite(values)].tolist()
 
 
-@pytest.mark.parametrize(
-    "schedule,g",
-    [
-        pytest.param(
-            "ring",
-            M,
-            marks=pytest.mark.xfail(strict=True, reason="issue 7: ring overflows from N = 10"),
-        ),
-        pytest.param(
-            "ring",
-            BELOW_M,
-            marks=pytest.mark.xfail(strict=True, reason="issue 7: ring overflows from N = 10"),
-        ),
-        pytest.param(
-            "direct",
-            M,
-            marks=pytest.mark.xfail(strict=True, reason="issue 7: direct overflows from N = 3"),
-        ),
-        ("direct", BELOW_M),
-    ],
-)
+@pytest.mark.parametrize("g", [M, BELOW_M, BELOW_M_F32])
+@pytest.mark.parametrize("schedule", sorted(SWEEPS))
 def test_float16_mean_never_overflows_up_to_1024(schedule, g):
-    """Issue 7's claim, for every N in 2..1024 at the worst case."""
-    bad = _overflowing(SWEEPS[schedule][0](g))
+    """Issue 7's claim, for every N in 2..1024 at the worst case; and the
+    result is the float64 mean within the float16 bound (the clamp removes
+    rounding excess only)."""
+    values = SWEEPS[schedule][0](g)
+    bad = _overflowing(values)
     assert not bad, f"{len(bad)} of {NS.size} N overflow, first {bad[:10]}"
+    for n, value in zip(NS, values, strict=True):
+        bound = reference.error_bound(np.full((n, 1), g, F32), "mean", F16, F32)
+        assert abs(float(value) - g) <= bound[0], (n, value)
+
+
+@pytest.mark.parametrize("schedule", sorted(SWEEPS))
+def test_without_the_clamp_the_sweep_overflows(schedule):
+    """The clamp is what holds the claim: the same replay without it overflows
+    (from N = 10 on the ring, N = 3 direct, as in the docstring)."""
+    sweep = SWEEPS[schedule][0]
+    bad = _overflowing(sweep(M, saturate=False))
+    assert bad and bad[0] == {"ring": 10, "direct": 3}[schedule]
 
 
 @pytest.mark.parametrize("schedule", sorted(SWEEPS))
@@ -262,16 +260,34 @@ def test_float16_mean_powers_of_two_up_to_1024_never_overflow(schedule):
 
 
 def test_hand_worked_overflows():
-    """The two examples of the module docstring, step by step."""
+    """The two examples of the module docstring, step by step, unclamped."""
     assert _f16(F32(M) * F32(1 / 3)) == 21840 and 3 * 21840 == ROUNDS_TO_INF
-    assert direct_equal_rows(M, np.array([3]))[0] == np.inf
+    assert direct_equal_rows(M, np.array([3]), saturate=False)[0] == np.inf
+    assert direct_equal_rows(M, np.array([3]))[0] == M
     p = F32(M) * F32(1 / 10)
     sent, partial = [], p
     for _ in range(9):
         sent.append(float(_f16(partial)))
         partial = p + _f16(partial)
     assert sent == [6552, 13104, 19648, 26192, 32736, 39296, 45856, 52416, 58976]
-    assert partial >= ROUNDS_TO_INF and ring_equal_rows(M, np.array([10]))[0] == np.inf
+    assert partial >= ROUNDS_TO_INF
+    assert ring_equal_rows(M, np.array([10]), saturate=False)[0] == np.inf
+    assert ring_equal_rows(M, np.array([10]))[0] == M
+
+
+@pytest.mark.parametrize("backend,algorithm", [("xla", "ring"), ("ffi", "ring"), ("ffi", "direct")])
+def test_a_real_float16_overflow_of_a_sum_stays_inf(backend, algorithm):
+    """op="sum" on the collective is not prescaled and not clamped: 4 * 40000
+    exceeds the float16 range, and the result says so instead of a finite lie."""
+    xs = np.full((4, 6), 40000.0, F32)
+    out = run_sharded(
+        lambda x: jaxcomm.allreduce(
+            x, "i", op="sum", wire_dtype=jnp.float16, backend=backend, algorithm=algorithm
+        ),
+        mesh_of((4,), ("i",)),
+        xs,
+    )
+    assert np.isposinf(out).all()
 
 
 # One device's non-finite gradient, on the schedules the existing test

@@ -25,6 +25,16 @@ def to_wire(x, wire, prescale: float):
     return x.astype(wire)
 
 
+def saturate(v, wire, prescale: float):
+    """Clamps finite values to the wire's range before a prescaled (mean)
+    partial sum is rounded to it, as the C++ schedules do (ReduceSpec::saturate):
+    such sums only overflow by rounding up. inf and NaN pass."""
+    if prescale == 1.0:
+        return v
+    hi = float(jnp.finfo(wire).max)
+    return jnp.where(jnp.isinf(v), v, jnp.clip(v, -hi, hi))
+
+
 def from_wire(y, dtype, postscale: float):
     if postscale != 1.0:
         y = y.astype(accumulator(dtype)) * postscale
@@ -56,11 +66,11 @@ def ring_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     right = [(i, (i + 1) % size) for i in range(size)]
     for s in range(size - 1):
         send = lax.dynamic_index_in_dim(acc, (r - s - 1) % size, keepdims=False)
-        recv = lax.ppermute(send.astype(wire), place.axes, right)
+        recv = lax.ppermute(saturate(send, wire, prescale).astype(wire), place.axes, right)
         at = (r - s - 2) % size
         mine = lax.dynamic_index_in_dim(acc, at, keepdims=False)
         acc = lax.dynamic_update_index_in_dim(acc, mine + recv.astype(acc_t), at, 0)
-    own = lax.dynamic_index_in_dim(acc, r, keepdims=False)
+    own = saturate(lax.dynamic_index_in_dim(acc, r, keepdims=False), wire, prescale)
     own = (own * postscale).astype(wire) if postscale != 1.0 else own.astype(wire)
     to = "invarying" if is_vma_typed(own, place.axes) else "varying"
     gathered = lax.all_gather(own, place.axes, tiled=True, to=to)

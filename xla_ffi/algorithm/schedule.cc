@@ -24,15 +24,17 @@ struct Staging {
 // Ring reduce-scatter over the n accumulator elements at `acc`. Step s sends
 // chunk r-s-1 to the right and adds chunk r-s-2 from the left, so after
 // size-1 steps chunk r holds the sum over the group.
-Status ReduceScatterPhase(Transport& t, Kernels& k, DType acc_type, DType wire, void* acc, size_t n,
-                          Staging staging) {
+Status ReduceScatterPhase(Transport& t, Kernels& k, DType acc_type, DType wire, bool saturate,
+                          void* acc, size_t n, Staging staging) {
   const int size = t.size(), r = t.rank();
   const int right = Mod(r + 1, size), left = Mod(r - 1, size);
   const size_t ws = SizeOf(wire);
   for (int s = 0; s + 1 < size; ++s) {
     const Range out = ChunkRange(n, size, Mod(r - s - 1, size));
     const Range in = ChunkRange(n, size, Mod(r - s - 2, size));
-    const void* send = At(acc, out.begin, acc_type);
+    void* send_acc = At(acc, out.begin, acc_type);  // not read again by this rank
+    if (saturate) k.Saturate(send_acc, acc_type, wire, out.size());
+    const void* send = send_acc;
     if (wire != acc_type) {
       k.Convert(staging.send, wire, send, acc_type, out.size(), 1.0);
       send = staging.send;
@@ -108,8 +110,10 @@ Status RingAllReduce(Transport& t, Kernels& k, const ReduceSpec& spec, const voi
   }
   AllReduceBuffers b = Carve(scratch, out, n, spec, t.size());
   k.Convert(b.acc, acc, in, spec.input, n, spec.prescale);
-  JAXCOMM_RETURN_IF_ERROR(ReduceScatterPhase(t, k, acc, spec.wire, b.acc, n, b.staging));
+  JAXCOMM_RETURN_IF_ERROR(
+      ReduceScatterPhase(t, k, acc, spec.wire, spec.saturate(), b.acc, n, b.staging));
   const Range own = ChunkRange(n, t.size(), t.rank());
+  if (spec.saturate()) k.Saturate(At(b.acc, own.begin, acc), acc, spec.wire, own.size());
   k.Convert(At(b.gather, own.begin, spec.wire), spec.wire, At(b.acc, own.begin, acc), acc,
             own.size(), spec.postscale);
   JAXCOMM_RETURN_IF_ERROR(AllGatherPhase(t, spec.wire, b.gather, n));
@@ -127,14 +131,16 @@ Status HierarchicalAllReduce(Transport& intra, Transport& inter, Kernels& k, con
   AllReduceBuffers b = Carve(scratch, out, n, spec, intra.size());
   k.Convert(b.acc, acc, in, spec.input, n, spec.prescale);
   // 1. Inside the node: after this, this rank's intra chunk holds the node's sum.
-  JAXCOMM_RETURN_IF_ERROR(ReduceScatterPhase(intra, k, acc, spec.wire, b.acc, n, b.staging));
+  JAXCOMM_RETURN_IF_ERROR(
+      ReduceScatterPhase(intra, k, acc, spec.wire, spec.saturate(), b.acc, n, b.staging));
   // 2. Across nodes, on that 1/L shard only: a ring allreduce of the shard.
   const Range shard = ChunkRange(n, intra.size(), intra.rank());
   void* shard_acc = At(b.acc, shard.begin, acc);
   void* shard_gather = At(b.gather, shard.begin, spec.wire);
-  JAXCOMM_RETURN_IF_ERROR(
-      ReduceScatterPhase(inter, k, acc, spec.wire, shard_acc, shard.size(), b.staging));
+  JAXCOMM_RETURN_IF_ERROR(ReduceScatterPhase(inter, k, acc, spec.wire, spec.saturate(), shard_acc,
+                                             shard.size(), b.staging));
   const Range own = ChunkRange(shard.size(), inter.size(), inter.rank());
+  if (spec.saturate()) k.Saturate(At(shard_acc, own.begin, acc), acc, spec.wire, own.size());
   k.Convert(At(shard_gather, own.begin, spec.wire), spec.wire, At(shard_acc, own.begin, acc), acc,
             own.size(), spec.postscale);
   JAXCOMM_RETURN_IF_ERROR(AllGatherPhase(inter, spec.wire, shard_gather, shard.size()));
@@ -155,7 +161,8 @@ Status RingReduceScatter(Transport& t, Kernels& k, const ReduceSpec& spec, const
   const size_t per = CeilDiv(n, static_cast<size_t>(t.size()));
   AllReduceBuffers b = Carve(scratch, out, n, spec, t.size(), /*out_holds_n=*/false);
   k.Convert(b.acc, acc, in, spec.input, n, spec.prescale);
-  JAXCOMM_RETURN_IF_ERROR(ReduceScatterPhase(t, k, acc, spec.wire, b.acc, n, b.staging));
+  JAXCOMM_RETURN_IF_ERROR(
+      ReduceScatterPhase(t, k, acc, spec.wire, spec.saturate(), b.acc, n, b.staging));
   const Range own = ChunkRange(n, t.size(), t.rank());
   k.Convert(out, spec.input, At(b.acc, own.begin, acc), acc, own.size(), spec.postscale);
   // Chunks past the end of the input are padding: zero, like psum_scatter of zeros.

@@ -1,5 +1,6 @@
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "common/kernels.h"
@@ -65,6 +66,18 @@ void AccumulateTyped(void* acc, const void* src, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] += static_cast<Wide<A, S>>(Elem<S>::Load(in[i]));
 }
 
+template <typename T>
+void SaturateTyped(void* acc, double max, size_t n) {
+  if (max >= std::numeric_limits<T>::max()) return;  // nothing in T exceeds the wire
+  auto* a = static_cast<T*>(acc);
+  const T hi = static_cast<T>(max);
+  for (size_t i = 0; i < n; ++i) {
+    // NaN fails every comparison; inf fails the finite bound.
+    if (a[i] > hi && a[i] <= std::numeric_limits<T>::max()) a[i] = hi;
+    if (a[i] < -hi && a[i] >= -std::numeric_limits<T>::max()) a[i] = -hi;
+  }
+}
+
 template <DType D>
 void ConvertTo(void* dst, const void* src, DType src_type, size_t n, double scale) {
   switch (src_type) {
@@ -113,6 +126,11 @@ void CpuKernels::Accumulate(void* acc, DType acc_type, const void* src, DType sr
   // Accumulators are only ever float32 or float64 (AccumulatorFor).
   if (acc_type == DType::kF64) return AccumulateInto<DType::kF64>(acc, src, src_type, n);
   return AccumulateInto<DType::kF32>(acc, src, src_type, n);
+}
+
+void CpuKernels::Saturate(void* acc, DType acc_type, DType wire, size_t n) {
+  if (acc_type == DType::kF64) return SaturateTyped<double>(acc, MaxFinite(wire), n);
+  return SaturateTyped<float>(acc, MaxFinite(wire), n);
 }
 
 void CpuKernels::Zero(void* dst, size_t bytes) {

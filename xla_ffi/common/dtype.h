@@ -27,6 +27,21 @@ inline size_t SizeOf(DType t) {
   return 0;
 }
 
+// The largest finite value of `t`, as a double.
+inline double MaxFinite(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return 3.4028234663852886e38;
+    case DType::kF16:
+      return 65504.0;
+    case DType::kBF16:
+      return 3.3895313892515355e38;
+    case DType::kF64:
+      return 1.7976931348623157e308;
+  }
+  return 0.0;
+}
+
 inline bool IsValidDType(int32_t code) { return code >= 0 && code <= 3; }
 
 // Values are summed in float32, or float64 for float64 inputs: the wire format

@@ -18,6 +18,9 @@ class Kernels {
                        double scale) = 0;
   // acc[i] += acc_type(src[i]); acc_type is float32 or float64.
   virtual void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) = 0;
+  // acc[i] = clamp(acc[i], -MaxFinite(wire), MaxFinite(wire)) for finite
+  // acc[i]; inf and NaN pass unchanged, so they stay visible.
+  virtual void Saturate(void* acc, DType acc_type, DType wire, size_t n) = 0;
   // dst[0, bytes) = 0; a schedule never touches device memory from the host.
   virtual void Zero(void* dst, size_t bytes) = 0;
 };
@@ -28,6 +31,7 @@ class CpuKernels final : public Kernels {
   void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                double scale) override;
   void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) override;
+  void Saturate(void* acc, DType acc_type, DType wire, size_t n) override;
   void Zero(void* dst, size_t bytes) override;
   static CpuKernels& Get();
 };

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 
 #include "cuda/check.h"
@@ -79,6 +80,24 @@ struct AccumulateOp {
     acc[i] += static_cast<Wide<A, S>>(Elem<S>::Load(in[i]));
   }
 };
+
+template <typename T>
+struct SaturateOp {
+  T* acc;
+  T hi;  // the wire type's largest finite value
+  __device__ void operator()(size_t i) const {
+    const T v = acc[i];
+    if (isfinite(v)) acc[i] = v > hi ? hi : (v < -hi ? -hi : v);  // inf and NaN pass
+  }
+};
+
+template <typename T>
+cudaError_t SaturateTyped(cudaStream_t stream, void* acc, double max, size_t n) {
+  if (max >= std::numeric_limits<T>::max()) return cudaSuccess;  // nothing in T exceeds the wire
+  SaturateOp<T> op{static_cast<T*>(acc), static_cast<T>(max)};
+  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
+  return cudaGetLastError();
+}
 
 template <DType D, DType S>
 cudaError_t ConvertTyped(cudaStream_t stream, void* dst, const void* src, size_t n, double scale) {
@@ -291,6 +310,13 @@ void CudaKernels::Accumulate(void* acc, DType acc_type, const void* src, DType s
   Check(acc_type == DType::kF64 ? AccumulateInto<DType::kF64>(stream_, acc, src, src_type, n)
                                 : AccumulateInto<DType::kF32>(stream_, acc, src, src_type, n),
         "accumulate kernel");
+}
+
+void CudaKernels::Saturate(void* acc, DType acc_type, DType wire, size_t n) {
+  if (n == 0) return;
+  Check(acc_type == DType::kF64 ? SaturateTyped<double>(stream_, acc, MaxFinite(wire), n)
+                                : SaturateTyped<float>(stream_, acc, MaxFinite(wire), n),
+        "saturate kernel");
 }
 
 void CudaKernels::Zero(void* dst, size_t bytes) {

@@ -21,6 +21,7 @@ class CudaKernels final : public Kernels {
   void Convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n,
                double scale) override;
   void Accumulate(void* acc, DType acc_type, const void* src, DType src_type, size_t n) override;
+  void Saturate(void* acc, DType acc_type, DType wire, size_t n) override;
   void Zero(void* dst, size_t bytes) override;
   Status status() const { return status_; }
 
