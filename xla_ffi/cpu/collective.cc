@@ -27,9 +27,7 @@ Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& 
   if (site.nranks < 1) {
     return Status(Code::kInvalidArgument, "jaxcomm " + site.op + ": group size must be >= 1");
   }
-  const Clock::time_point deadline =
-      Clock::now() +
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(TimeoutSeconds()));
+  const Clock::time_point deadline = Clock::now() + Timeout();
   const CallSignature sig{site.op, site.fingerprint};
   Rings rings;
   if (site.algorithm == Algorithm::kHierarchical) {

@@ -32,11 +32,7 @@ char* Offset(void* p, size_t elems, DType t) { return static_cast<char*>(p) + el
 // One call whose ranks are arriving.
 struct Pending {
   explicit Pending(const DirectCall& c)
-      : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + TimeoutDuration()) {}
-  static Clock::duration TimeoutDuration() {
-    return std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(TimeoutSeconds()));
-  }
+      : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + Timeout()) {}
   std::string Describe() const { return DescribeCall(call.sig.op, call.key, call.nranks); }
 
   DirectCall call;

@@ -41,6 +41,10 @@ std::string DescribeCall(const std::string& op, const SlotKey& key, int nranks) 
 }
 
 double TimeoutSeconds() { return g_timeout_seconds.load(); }
+Clock::duration Timeout() {
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(TimeoutSeconds()));
+}
 void SetTimeoutSeconds(double seconds) { g_timeout_seconds.store(seconds); }
 
 Slot::Slot(const SlotKey& key, int nranks, std::string op)

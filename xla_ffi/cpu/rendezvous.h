@@ -200,5 +200,7 @@ Status Connect(const SlotKey& key, int rank, int nranks, int device, const CallS
 // Seconds a rank waits for its peers before failing (default 60).
 double TimeoutSeconds();
 void SetTimeoutSeconds(double seconds);
+// The same, as a Clock duration: a call's deadline is its start plus this.
+Clock::duration Timeout();
 
 }  // namespace jaxcomm::cpu
