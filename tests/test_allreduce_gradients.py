@@ -125,6 +125,31 @@ def test_error_feedback_residual_and_drift(mesh):
     assert drift[True] < drift[False] / 3, drift
 
 
+@pytest.mark.parametrize("backend,algorithm,scale", [("xla", "auto", 8), ("xla", "ring", 3)])
+def test_error_feedback_residual_follows_the_prescale(backend, algorithm, scale):
+    """The residual is what the collective's own cast dropped: lax.psum (xla
+    auto) prescales a float16 mean over 3 devices by 1/8 (the headroom of
+    _xla.headroom_scales), the ring by 1/3, and the two drop different bits."""
+    n = 3
+    rng = np.random.default_rng(4)
+    grads = [{"w": (100.0 * rng.standard_normal((n, 256))).astype(np.float32)} for _ in range(3)]
+    tx = jaxcomm.allreduce_gradients(
+        "data", wire_dtype=jnp.float16, error_feedback=True, backend=backend, algorithm=algorithm
+    )
+    _, _, state = run_steps(tx, {"w": np.zeros(256, np.float32)}, grads, mesh_of((n,), ("data",)))
+
+    def replay(s):
+        e = np.zeros((n, 256), np.float32)
+        for g in grads:
+            v = g["w"] + e
+            e = v - (v * np.float32(1 / s)).astype(np.float16).astype(np.float32) * np.float32(s)
+        return e
+
+    got = state.residual.value["w"][:, 0]
+    np.testing.assert_array_equal(got, replay(scale))
+    assert not np.array_equal(replay(8), replay(3))
+
+
 @pytest.mark.parametrize("backend", ["xla", "ffi"])
 @pytest.mark.parametrize("wire", [None, jnp.float16])
 def test_double_buffering_is_dense_shifted_by_one_step(mesh, backend, wire):

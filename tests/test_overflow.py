@@ -1,4 +1,5 @@
-"""Float16 wire overflow: prescaling by 1/N plus a saturating wire keeps finite gradients finite.
+"""Float16 wire overflow: a prescale plus a saturating wire, or a prescale with headroom where
+XLA adds in float16, keeps finite gradients finite.
 
 Issue 7 asks that FP16 wire casting never turn finite gradients into inf for
 any N up to 1024 while |g| <= M = 65504, the float16 maximum. Float16 rounds
@@ -30,8 +31,17 @@ worst case for +inf (and -M for -inf), and one evaluation per N decides every
 input below M. The sweep replays the schedules for every N in 2..1024.
 
 What jaxcomm cannot clamp: lax.psum and lax.psum_scatter add in float16
-inside XLA (xla "auto" and xla "hierarchical"), and N = 3 overflows there
-(strict xfails below); the ffi schedules and the xla ring do not.
+inside XLA (xla "auto" and "hierarchical", the xla reduce_scatter), where the
+1/N prescale overflows at N = 3 as direct does. There a float16 mean is
+prescaled by 2^-k instead, 2^k the least power of two >= 2N, and 2^k/N is
+applied in float32 after the reduction (_xla.headroom_scales): every term is
+at most M/(2N), so the exact sum of any subset is at most M/2, and N - 1
+float16 additions in any order inflate it by at most (1 + 2^-11)^(N-1) < 1.65
+for N <= 1024, so no partial sum reaches M. XLA's order cannot be replayed:
+the headroom sweep checks, in NumPy float16, a left-to-right and a
+pairwise-tree order for every N in 2..1024 (for a fixed order all devices at
++M is again the worst case; values near +-M are tried too) and that 1/N
+overflows in both at N = 3; the devices run N in {2, 3, 4, 8}.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from transform_harness import run_steps
 from util import assert_replicated, mesh_of, run_sharded
 
 import jaxcomm
+from jaxcomm.collectives import _xla
 
 F16, F32 = np.float16, np.float32
 M = float(np.finfo(F16).max)  # 65504
@@ -51,11 +62,6 @@ BELOW_M = float(np.nextafter(F16(M), F16(0)))  # 65472, one float16 ulp below M
 BELOW_M_F32 = float(np.nextafter(F32(M), F32(0)))  # just below M, not a float16 value
 ROUNDS_TO_INF = M + 16  # 65520: half a float16 ulp (32 at 2^15..2^16) above M
 HIER_SHAPE = {2: (2, 1), 3: (1, 3), 4: (2, 2), 8: (2, 4)}  # (inter, intra), as in test_allreduce
-
-# Known overflows on the devices, explained in the module docstring: lax.psum
-# and lax.psum_scatter add N float16 values fl16(M/N) inside XLA, where
-# nothing clamps, and 3 * 21840 = 65520.
-KNOWN_DEVICE_OVERFLOW = {(3, "xla", "auto"), (3, "xla", "hierarchical")}
 
 
 def _f16(x):
@@ -104,15 +110,7 @@ SCHEDULES = [
 def _device_cases():
     for n in (2, 3, 4, 8):
         for backend, algorithm in SCHEDULES:
-            marks = []
-            if (n, backend, algorithm) in KNOWN_DEVICE_OVERFLOW:
-                marks = [
-                    pytest.mark.xfail(
-                        strict=True,
-                        reason="XLA adds in float16: 3 * fl16(M/3) = 3 * 21840 = 65520 -> inf",
-                    )
-                ]
-            yield pytest.param(n, backend, algorithm, marks=marks, id=f"n{n}-{backend}-{algorithm}")
+            yield pytest.param(n, backend, algorithm, id=f"n{n}-{backend}-{algorithm}")
 
 
 @pytest.mark.parametrize("n,backend,algorithm", list(_device_cases()))
@@ -136,7 +134,27 @@ def test_float16_mean_near_max_is_finite_on_devices(n, backend, algorithm):
     assert np.all(err <= reference.error_bound(xs, "mean", F16, F32))
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_reduce_scatter_float16_mean_near_max_is_finite(n, backend):
+    """reduce_scatter (xla: lax.psum_scatter) at and near the float16 maximum:
+    each device's slice is finite and within the float16 bound of the float64 mean."""
+    xs = near_max_rows(n, np.random.default_rng(30 + n))
+    out = run_sharded(
+        lambda x: jaxcomm.reduce_scatter(
+            x, "i", op="mean", wire_dtype=jnp.float16, backend=backend
+        ),
+        mesh_of((n,), ("i",)),
+        xs,
+    )
+    got = out.reshape(-1)[: xs.shape[1]]  # slice r of rank r, in rank order
+    bad = np.flatnonzero(~np.isfinite(got))
+    assert bad.size == 0, f"non-finite at columns {bad.tolist()}"
+    err = np.abs(got.astype(np.float64) - reference.allreduce64(xs, "mean"))
+    assert np.all(err <= reference.error_bound(xs, "mean", F16, F32))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("backend", ["xla", "ffi"])
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_allreduce_gradients_float16_near_max(n, backend, op):
@@ -275,10 +293,117 @@ def test_hand_worked_overflows():
     assert ring_equal_rows(M, np.array([10]))[0] == M
 
 
-@pytest.mark.parametrize("backend,algorithm", [("xla", "ring"), ("ffi", "ring"), ("ffi", "direct")])
+# The headroom sweep for the paths where XLA adds in float16 (lax.psum,
+# lax.psum_scatter). Rows of G are devices: N devices hold G[:N]. Columns:
+# +M, -M, just below M in float16 and in float32, magnitudes in [M/2, M)
+# all positive, all negative, and with random signs.
+def _near_max_pool(rows: int = int(NS.max())) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    fixed = np.broadcast_to([M, -M, BELOW_M, BELOW_M_F32], (rows, 4))
+    signs = np.concatenate(
+        [np.ones((rows, 8)), -np.ones((rows, 8)), rng.choice([-1.0, 1.0], (rows, 8))], axis=1
+    )
+    return np.concatenate([fixed, rng.uniform(M / 2, M, (rows, 24)) * signs], axis=1).astype(F32)
+
+
+def _headroom(n: int) -> tuple[float, float]:
+    return _xla.headroom_scales(F16, n, 1.0 / n, 1.0)
+
+
+def _one_over_n(n: int) -> tuple[float, float]:
+    return 1.0 / n, 1.0
+
+
+def _terms(g: np.ndarray, prescale: float) -> np.ndarray:
+    """What travels, as _xla.to_wire casts: fl16(fl32(g) * prescale)."""
+    with np.errstate(over="ignore"):
+        return (g.astype(F32) * F32(prescale)).astype(F16)
+
+
+def chain_sums(pool: np.ndarray, scales, ns=NS) -> np.ndarray:
+    """Float16 sums t_1 + t_2 + ... + t_N, left to right, of the first N rows
+    of `pool`; one row per N in `ns`."""
+    pre = [scales(int(n))[0] for n in ns]
+    total = np.stack([_terms(pool[0], p) for p in pre])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(1, int(ns.max())):
+            step = total + np.stack([_terms(pool[j], p) for p in pre])
+            total = np.where((j < ns)[:, None], step, total)
+    return total
+
+
+def tree_sums(pool: np.ndarray, scales, ns=NS) -> np.ndarray:
+    """Float16 sums of the first N rows of `pool` in a pairwise tree
+    ((t1 + t2) + (t3 + t4)) + ..., an odd one out carried up a level."""
+    out = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for n in ns:
+            level = _terms(pool[:n], scales(int(n))[0])
+            while level.shape[0] > 1:
+                half = level.shape[0] // 2
+                pairs = level[0 : 2 * half : 2] + level[1 : 2 * half : 2]
+                level = np.concatenate([pairs, level[2 * half :]])
+            out.append(level[0])
+    return np.stack(out)
+
+
+ORDERS = {"chain": chain_sums, "tree": tree_sums}
+
+
+def test_headroom_scales_leave_room_for_any_order():
+    """The bound of _xla.headroom_scales for every N in 2..1024: the prescale
+    is 2^-k with 2N <= 2^k < 4N, the terms at most M/2^k (a float16 value),
+    their exact sum at most M/2, and (1 + 2^-11)^(N-1) times that below M;
+    the two scales together are still 1/N."""
+    for n in NS:
+        pre, post = _headroom(int(n))
+        power = 1.0 / pre
+        assert power == 2.0 ** round(np.log2(power)) and 2 * n <= power < 4 * n, n
+        assert float(F16(M / power)) == M / power
+        assert n * (M / power) <= M / 2
+        assert (1 + 2.0**-11) ** (n - 1) * (n * M / power) < M
+        assert post == pytest.approx(power / n, rel=1e-15)
+        assert pre * post == pytest.approx(1.0 / n, rel=1e-15)
+
+
+def test_headroom_only_for_a_float16_mean():
+    """bfloat16 (float32's range), wide wires and a plain sum keep their scales."""
+    assert _xla.headroom_scales(jnp.bfloat16, 3, 1 / 3, 1.0) == (1 / 3, 1.0)
+    assert _xla.headroom_scales(F32, 3, 1 / 3, 1.0) == (1 / 3, 1.0)
+    assert _xla.headroom_scales(F16, 3, 1.0, 1.0) == (1.0, 1.0)
+    assert _xla.headroom_scales(F16, 3, 1.0, 1 / 3) == (1.0, 1 / 3)
+    assert _xla.headroom_scales(F16, 3, 1 / 3, 1.0) == (1 / 8, 8 / 3)
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_headroom_sums_never_overflow_up_to_1024(order):
+    """No N in 2..1024 overflows in this order, at or near +-M; scaled back
+    by 2^k/N in float32, the sum is the float64 mean within the float16 bound."""
+    pool = _near_max_pool()
+    sums = ORDERS[order](pool, _headroom)
+    bad = NS[~np.isfinite(sums).all(axis=1)].tolist()
+    assert not bad, f"{len(bad)} of {NS.size} N overflow, first {bad[:10]}"
+    for n, total in zip(NS, sums, strict=True):
+        got = total.astype(F32) * F32(_headroom(int(n))[1])
+        err = np.abs(got.astype(np.float64) - reference.allreduce64(pool[:n], "mean"))
+        assert np.all(err <= reference.error_bound(pool[:n], "mean", F16, F32)), n
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_one_over_n_prescale_overflows_in_both_orders(order):
+    """What the sweep would find with 1/N: N = 3 (every device at M) is the
+    first to overflow, 21840 + 21840 + 21840 = 65520."""
+    sums = ORDERS[order](np.full((8, 1), M, F32), _one_over_n, np.arange(2, 9))
+    assert np.arange(2, 9)[~np.isfinite(sums[:, 0])].tolist()[0] == 3
+
+
+@pytest.mark.parametrize(
+    "backend,algorithm", [("xla", "auto"), ("xla", "ring"), ("ffi", "ring"), ("ffi", "direct")]
+)
 def test_a_real_float16_overflow_of_a_sum_stays_inf(backend, algorithm):
-    """op="sum" on the collective is not prescaled and not clamped: 4 * 40000
-    exceeds the float16 range, and the result says so instead of a finite lie."""
+    """op="sum" on the collective is not prescaled and not clamped (nor given
+    headroom on lax.psum): 4 * 40000 exceeds the float16 range, and the
+    result says so instead of a finite lie."""
     xs = np.full((4, 6), 40000.0, F32)
     out = run_sharded(
         lambda x: jaxcomm.allreduce(

@@ -59,7 +59,9 @@ def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
 
 def scales(op: str, size: int, narrow_wire: bool) -> tuple[float, float]:
     """(prescale, postscale). For a mean over a narrow wire, divide before the
-    cast so large N cannot overflow float16; otherwise divide at the end."""
+    cast so large N cannot overflow float16; otherwise divide at the end. The
+    paths where XLA adds in float16 trade 1/N for a power of two with
+    headroom (_xla.headroom_scales)."""
     _checks.check_choice("op", op, _checks.OPS)
     if op == "sum":
         return 1.0, 1.0

@@ -35,6 +35,41 @@ def saturate(v, wire, prescale: float):
     return jnp.where(jnp.isinf(v), v, jnp.clip(v, -hi, hi))
 
 
+# The allreduce algorithms whose partial sums XLA adds in the wire dtype
+# (lax.psum, lax.psum_scatter); reduce_scatter's xla path is one too.
+ADDS_IN_WIRE = ("psum", "hierarchical")
+
+
+def headroom_scales(wire, size: int, prescale: float, postscale: float) -> tuple[float, float]:
+    """(prescale, postscale) for the paths where XLA adds in the wire dtype,
+    where nothing can clamp a partial sum as :func:`saturate` does.
+
+    A float16 mean is prescaled by 2^-k instead of 1/N, 2^k the least power
+    of two >= 2N, and 2^k/N joins the postscale, applied in the accumulator
+    type after the reduction. The 1/N prescale has no headroom:
+    3 * fl16(65504/3) = 3 * 21840 = 65520 rounds to inf. Scaling by a power
+    of two is exact, so the result is as accurate as with 1/N, except that
+    inputs below 2^-14 * 2^k (instead of 2^-14 * N) are subnormal on the
+    wire: 2^k/N is in [2, 4), one to two bits less subnormal range.
+
+    bfloat16 has float32's exponent range and needs no headroom; a plain sum
+    (prescale 1) is left alone, so its real overflow still comes back inf.
+    """
+    if prescale == 1.0 or jnp.dtype(wire) != jnp.float16:
+        return prescale, postscale
+    # Why no order of additions can overflow, for N <= 1420: with |g_i| <= M
+    # = 65504, each term |fl16(g_i * 2^-k)| <= M / 2^k <= M / (2N) (M * 2^-k
+    # is a float16 value and rounding is monotone), so the exact sum of any
+    # subset of terms is at most M/2. A float16 addition rounds to nearest,
+    # |fl(a + b)| <= (1 + u)(|a| + |b|) with u = 2^-11, so a partial sum that
+    # went through at most N - 1 additions, in any order (a chain, a tree,
+    # XLA's own), is at most (1 + u)^(N-1) * M/2 < M while (1 + u)^(N-1) < 2,
+    # i.e. N <= 1420; for N = 1024 it is 0.83 M. First order: the rounding
+    # error is at most (N-1) * u * M/2 < M/4.
+    power = float(1 << (2 * size - 1).bit_length())
+    return 1.0 / power, prescale * postscale * power
+
+
 def from_wire(y, dtype, postscale: float):
     if postscale != 1.0:
         y = y.astype(accumulator(dtype)) * postscale
@@ -48,7 +83,9 @@ def _pad_to(x, multiple: int):
 
 def psum_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     """XLA's all-reduce. A narrow wire dtype is also what XLA adds in: each
-    hop rounds to it, so the error bound is looser than the ring's."""
+    hop rounds to it, so the error bound is looser than the ring's, and a
+    float16 mean is prescaled with headroom (:func:`headroom_scales`)."""
+    prescale, postscale = headroom_scales(wire, place.size, prescale, postscale)
     return from_wire(lax.psum(to_wire(x, wire, prescale), place.axes), x.dtype, postscale)
 
 
@@ -79,7 +116,9 @@ def ring_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
 
 def hierarchical_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     """Reduce-scatter inside the node, allreduce of the 1/L shard across nodes,
-    allgather inside the node. `place.axes` is (inter_axis, intra_axis)."""
+    allgather inside the node. `place.axes` is (inter_axis, intra_axis).
+    XLA adds in the wire dtype, as in :func:`psum_allreduce`."""
+    prescale, postscale = headroom_scales(wire, place.size, prescale, postscale)
     inter, intra = place.axes
     local = lax.axis_size(intra)
     n = x.size
@@ -93,6 +132,8 @@ def hierarchical_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
 
 
 def reduce_scatter(x, place: AxisPlacement, wire, prescale, postscale):
+    """lax.psum_scatter, which adds in the wire dtype as :func:`psum_allreduce` does."""
+    prescale, postscale = headroom_scales(wire, place.size, prescale, postscale)
     w = _pad_to(to_wire(x, wire, prescale), place.size).reshape(place.size, -1)
     shard = lax.psum_scatter(w, place.axes, scatter_dimension=0, tiled=False)
     return from_wire(shard, x.dtype, postscale)

@@ -76,7 +76,9 @@ def allreduce_gradients(
       op: ``"mean"`` (default) or ``"sum"``.
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16``. Narrow wires
         are prescaled by 1/N before the cast (for ``op="sum"`` too, scaled
-        back after), so float16 cannot overflow for large N.
+        back after), so float16 cannot overflow for large N; where XLA adds
+        in float16 (xla ``"auto"`` and ``"hierarchical"``) the prescale is a
+        power of two near 1/(2N) instead, as in :func:`jaxcomm.allreduce`.
       error_feedback: keep what the wire cast dropped in a per-device
         residual and add it to the next step's gradient. Needs a narrow wire.
       bucket_bytes: fusion threshold θ. 0: one collective per leaf;
@@ -128,7 +130,7 @@ def allreduce_gradients(
     # The collectives' own resolution, run once here so bad options fail at
     # construction rather than at the first traced step.
     resolved = _frontend.resolve_backend(backend)
-    _frontend.resolve_algorithm(algorithm, resolved, axes)
+    schedule = _frontend.resolve_algorithm(algorithm, resolved, axes)
     wire = _checks.check_wire_dtype(wire_dtype)
     if bucket_bytes is None:
         bucket_bytes = 0 if resolved == "xla" else DEFAULT_BUCKET_BYTES
@@ -164,7 +166,8 @@ def allreduce_gradients(
 
         residual = state.residual
         if error_feedback:
-            dropped = jax.tree.map(lambda v: _cast_error(v, wire, n), grads)
+            scale = _wire_scale(wire, n, resolved, schedule)
+            dropped = jax.tree.map(lambda v: _cast_error(v, wire, scale), grads)
             # A non-finite step must not poison the residual for good.
             residual = _state.as_row(
                 jax.tree.map(
@@ -220,11 +223,19 @@ def _reduce_in_buckets(leaves, axes, n, op, theta, opts):
     return out, payload, len(buckets)
 
 
-def _cast_error(v, wire, n: int):
-    """What the wire cast drops from v: v - decast(cast(v / n)) * n, computed
-    exactly as the collectives cast (scale in the accumulator type)."""
+def _wire_scale(wire, n: int, backend: str, algorithm: str) -> float:
+    """1 / the prescale the collective applies before a narrow wire cast: N,
+    or a power of two >= 2N on the paths where XLA adds in float16."""
+    if backend == "xla" and algorithm in _xla.ADDS_IN_WIRE:
+        return 1.0 / _xla.headroom_scales(wire, n, 1.0 / n, 1.0)[0]
+    return n
+
+
+def _cast_error(v, wire, scale: float):
+    """What the wire cast drops from v: v - decast(cast(v / scale)) * scale,
+    computed exactly as the collectives cast (scale in the accumulator type)."""
     acc = _xla.accumulator(v.dtype)
-    sent = _xla.to_wire(v, wire, 1.0 / n).astype(acc) * n
+    sent = _xla.to_wire(v, wire, 1.0 / scale).astype(acc) * scale
     return (v.astype(acc) - sent).astype(v.dtype)
 
 

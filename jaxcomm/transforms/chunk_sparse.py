@@ -96,7 +96,8 @@ def chunk_sparse(
       residual_decay: factor on the unsent gradient kept for the next step
         (momentum correction), in [0, 1].
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
-        exchanged chunks (prescaled by 1/N).
+        exchanged chunks (prescaled by 1/N, or as :func:`jaxcomm.allreduce`
+        says for float16 on xla's ``lax.psum`` paths).
       algorithm: as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"`` (ffi where available: only the selected chunks
         travel), ``"ffi"`` or ``"xla"``.
