@@ -350,6 +350,8 @@ ALLREDUCE_GRADIENTS_OPTIONS = [
         HIERARCHICAL,
     ),
     ("direct on xla", {"algorithm": "direct", "backend": "xla"}, ValueError, DIRECT),
+    # backend="auto" is xla for a dense allreduce, whatever the platform.
+    ("direct on auto", {"algorithm": "direct"}, ValueError, DIRECT),
     (
         "error feedback without a wire dtype",
         {"error_feedback": True},
@@ -566,14 +568,15 @@ def _first_step(make_tx):
     return call
 
 
-# (entry point, call that should fail): allreduce_gradients fails in its
-# constructor, chunk_sparse at its first step (it does not resolve the
-# backend before the step), the collectives when traced.
+# (entry point, call that should fail): the transforms at their first step
+# (looking for the handler starts JAX's backends, which building a transform
+# must not: jax.distributed.initialize may come after it), the collectives
+# when traced.
 FFI_CALLS = [
     ("allreduce", _collective_on_2(AR)),
     ("reduce_scatter", _collective_on_2(RS)),
     ("all_gather", _collective_on_2(AG)),
-    ("allreduce_gradients", lambda: jaxcomm.allreduce_gradients("data", backend="ffi")),
+    ("allreduce_gradients", _first_step(lambda: _ar_grads(backend="ffi"))),
     ("chunk_sparse", _first_step(lambda: _sparse(backend="ffi"))),
 ]
 
@@ -585,6 +588,15 @@ def test_ffi_backend_missing(monkeypatch, missing, call):
     monkeypatch.setattr(_ffi, attribute, replacement)
     with pytest.raises(RuntimeError, match=pattern):
         call[1]()
+
+
+@pytest.mark.parametrize("missing", FFI_MISSING, ids=[m[0] for m in FFI_MISSING])
+def test_transforms_with_ffi_missing_still_build(monkeypatch, missing):
+    """What the first step reports is not raised when they are built."""
+    _, (attribute, replacement), _ = missing
+    monkeypatch.setattr(_ffi, attribute, replacement)
+    assert isinstance(_ar_grads(backend="ffi"), optax.GradientTransformation)
+    assert isinstance(_sparse(backend="ffi"), optax.GradientTransformation)
 
 
 def test_ffi_missing_leaves_auto_on_xla(monkeypatch):

@@ -16,16 +16,25 @@ from jaxcomm.collectives._axes import AxisPlacement, is_vma_typed, normalize, pl
 DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
 
 
+def known_backend(backend: str, *, masked: bool = False) -> str:
+    """The backend as far as it is decided without the platform, which JAX
+    starts on first use and jax.distributed.initialize must precede: 'auto'
+    is 'xla' for plain collectives and stays 'auto' with a chunk mask. An
+    'ffi' here has not been checked for its handler yet."""
+    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    return "xla" if backend == "auto" and not masked else backend
+
+
 def resolve_backend(backend: str, *, masked: bool = False) -> str:
     """'auto' is 'xla' for plain collectives: on CPU lax.psum is as fast as the
     ffi direct schedule from 16 MiB up and faster below (bench/allreduce.py).
     With a chunk mask it is 'ffi' where available, the only backend that
     sends just the selected chunks without a static bound."""
-    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    backend = known_backend(backend, masked=masked)
     if backend == "auto":
         # The CPU transport meets devices inside one process only.
         single = jax.process_count() == 1
-        return "ffi" if masked and single and _ffi.available() else "xla"
+        return "ffi" if single and _ffi.available() else "xla"
     if backend == "ffi":
         _ffi.require()
     return backend

@@ -104,6 +104,11 @@ def allreduce_gradients(
       this transform's own state does not take it in; wrap the optimizer
       after it in ``optax.apply_if_finite`` to skip such steps everywhere.
 
+      Options are checked when it is built, without starting JAX's
+      backends, so it may be built before ``jax.distributed.initialize``;
+      whether ``backend="ffi"`` has its handler is checked when ``update``
+      is first traced.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
       >>> from jax.sharding import PartitionSpec as P
@@ -127,14 +132,13 @@ def allreduce_gradients(
     """
     _checks.check_choice("op", op, _checks.OPS)
     axes = _axes.normalize(axis_name)
-    # The collectives' own resolution, run once here so bad options fail at
-    # construction rather than at the first traced step.
-    resolved = _frontend.resolve_backend(backend)
-    schedule = _frontend.resolve_algorithm(algorithm, resolved, axes)
+    # Only what needs no platform is checked here: looking for the ffi
+    # handler makes JAX start its backends, which jax.distributed.initialize
+    # must precede, so that waits for the first step.
+    _frontend.check_algorithm(algorithm, _frontend.known_backend(backend), axes)
     wire = _checks.check_wire_dtype(wire_dtype)
-    if bucket_bytes is None:
-        bucket_bytes = 0 if resolved == "xla" else DEFAULT_BUCKET_BYTES
-    theta = check_bucket_bytes(bucket_bytes)
+    if bucket_bytes is not None:
+        check_bucket_bytes(bucket_bytes)
     narrow = wire is not None and wire.itemsize < 4
     if error_feedback and not narrow:
         raise ValueError(
@@ -156,6 +160,11 @@ def allreduce_gradients(
         for i, leaf in enumerate(jax.tree.leaves(updates)):
             _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
         n = _axes.placement(axes).size
+        resolved = _frontend.resolve_backend(backend)
+        schedule = _frontend.resolve_algorithm(algorithm, resolved, axes)
+        theta = check_bucket_bytes(
+            _default_bucket_bytes(resolved) if bucket_bytes is None else bucket_bytes
+        )
         grads = updates
         if error_feedback:
             grads = jax.tree.map(jnp.add, grads, _state.local(state.residual))
@@ -192,6 +201,12 @@ def allreduce_gradients(
         return out, AllReduceGradientsState(residual, buffer, stats)
 
     return optax.GradientTransformation(init, update)
+
+
+def _default_bucket_bytes(backend: str) -> float:
+    """bucket_bytes=None for a resolved backend: per leaf on xla, whose
+    all-reduce combiner fuses without copies, DEFAULT_BUCKET_BYTES on ffi."""
+    return 0 if backend == "xla" else DEFAULT_BUCKET_BYTES
 
 
 def _reduce_in_buckets(leaves, axes, n, op, theta, opts):
