@@ -47,3 +47,28 @@ def test_grad_matches_psum_under_pmap(backend):
     ours = run_pmap(_grad_fn(lambda v: jaxcomm.allreduce(v, "i", backend=backend)), 4, xs)
     y = xs.sum(0)
     np.testing.assert_allclose(ours, np.broadcast_to(2 * y * 4, xs.shape), rtol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "hierarchical"])
+def test_float16_wire_mean_cotangent_near_the_range_stays_finite(algorithm):
+    """The backward pass of a float16-wire mean is the same overflow-safe mean.
+
+    On N=3 devices the xla psum paths prescale by 2^-3 and scale by 8/3 after
+    the reduction. lax.psum's own transpose would cast cotangent * 8/3 to
+    float16: 30000 * 8/3 = 80000 > 65504 -> inf. Without vma typing a mean
+    transposes to a mean, and the mean of 30000 on every device is 30000.
+    """
+    n, c = 3, 30000.0
+    mesh = mesh_of((n, 1), ("i", "j"))
+    axes = "i" if algorithm == "auto" else ("i", "j")
+    x = jax.device_put(jnp.ones((n, 4)), NamedSharding(mesh, P("i")))
+
+    def loss(v):
+        y = jaxcomm.allreduce(v, axes, op="mean", wire_dtype=jnp.float16, algorithm=algorithm)
+        return jnp.sum(y * c)
+
+    f = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+    got = np.asarray(jax.jit(f)(x))
+    # Up to float16 rounding of the partial sums (11 bits, a few additions).
+    assert np.isfinite(got).all(), got
+    np.testing.assert_allclose(got, np.full(got.shape, c), rtol=n * 2.0**-11)

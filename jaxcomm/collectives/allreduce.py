@@ -139,7 +139,12 @@ def allreduce(
             )
         return y.reshape(shape)
 
-    if backend == "xla" and algorithm == "psum":
+    if backend == "xla" and algorithm == "psum" and wire == dtype:
+        # Nothing is rounded to a wire: lax.psum's own derivatives (forward
+        # mode included) are exact. A narrow wire takes linear_collective
+        # below, whose backward pass is this same mean: psum's transpose would
+        # cast the cotangent times postscale (2^k/N, see _xla.headroom_scales)
+        # to float16, which overflows long before the cotangent does.
         return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(shape)
 
     def forward(v):
