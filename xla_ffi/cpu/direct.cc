@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,8 @@ namespace {
 // Elements summed per pass: the partial sums stay in L1 while every rank's
 // slice streams through once.
 constexpr size_t kBlock = 4096;
+// Elements a thread takes at a time from a call's shared work.
+constexpr size_t kShare = 4 * kBlock;
 // Below this many elements per worker a thread hand-off costs more than the
 // memory traffic it shares.
 constexpr size_t kMinElementsPerWorker = 32768;
@@ -43,6 +46,8 @@ struct Pending {
 };
 
 // Sums elements [begin, end) over the ranks and writes them to every output.
+// Each block is read from every rank before any output of it is written, so
+// an output may be its rank's own input (an in-place allreduce).
 void ReduceRange(const Pending& p, size_t begin, size_t end) {
   Kernels& k = CpuKernels::Get();
   const ReduceSpec& spec = p.call.spec;
@@ -52,8 +57,12 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
   const bool cast_in = wire != input || spec.prescale != 1.0;
   alignas(64) double sum_storage[kBlock];
   alignas(64) double wire_storage[kBlock];
+  alignas(64) double result_storage[kBlock];
   void* sum = sum_storage;
   void* on_wire = wire_storage;
+  // The block as every output receives it, in the input type.
+  void* result = wire == input ? on_wire : result_storage;
+  const size_t row = SizeOf(input);
   for (size_t at = begin; at < end; at += kBlock) {
     const size_t len = std::min(kBlock, end - at);
     for (int j = 0; j < size; ++j) {
@@ -68,12 +77,13 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
         k.Accumulate(sum, acc, from, wire, len);
       }
     }
-    // The reduced block travels in the wire type too: round it once, then
-    // every output receives the same bytes.
+    // The reduced block travels in the wire type too: round it once, cast it
+    // back once, then every output receives the same bytes.
     if (spec.saturate()) k.Saturate(sum, acc, wire, len);
     k.Convert(on_wire, wire, sum, acc, len, spec.postscale);
+    if (result != on_wire) k.Convert(result, input, on_wire, wire, len, 1.0);
     for (int j = 0; j < size; ++j) {
-      k.Convert(Offset(p.ranks[j]->out, at, input), input, on_wire, wire, len, 1.0);
+      std::memcpy(Offset(p.ranks[j]->out, at, input), result, len * row);
     }
   }
 }
@@ -122,13 +132,23 @@ void Reduce(std::shared_ptr<Pending> p, int mine) {
   const size_t cores = std::max(1u, std::thread::hardware_concurrency());
   const size_t parts =
       std::clamp<size_t>(n / kMinElementsPerWorker, 1, std::min<size_t>(cores, p->call.nranks));
-  auto left = std::make_shared<std::atomic<size_t>>(parts);
-  auto part = [p, left, n, parts](size_t i, int on) {
-    ReduceRange(*p, n * i / parts, n * (i + 1) / parts);
-    if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*p, on);
+  // Work is handed out kShare elements at a time, so a worker that starts
+  // late (a sleeping thread can take hundreds of microseconds to wake on a
+  // busy machine) does less instead of finishing last.
+  struct Share {
+    std::atomic<size_t> next{0};
+    std::atomic<size_t> left;
   };
-  for (size_t i = 1; i < parts; ++i) RunOnWorker([part, i] { part(i, -1); });
-  part(0, mine);
+  auto share = std::make_shared<Share>();
+  share->left = parts;
+  auto part = [p, share, n](int on) {
+    for (size_t at; (at = share->next.fetch_add(kShare, std::memory_order_relaxed)) < n;) {
+      ReduceRange(*p, at, std::min(n, at + kShare));
+    }
+    if (share->left.fetch_sub(1, std::memory_order_acq_rel) == 1) Finish(*p, on);
+  };
+  for (size_t i = 1; i < parts; ++i) RunOnWorker([part] { part(-1); });
+  part(mine);
 }
 
 class DirectRendezvous {
