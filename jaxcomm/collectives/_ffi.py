@@ -151,16 +151,27 @@ def allreduce(
     chunk_size=1,
     intra_size=1,
     replicated=False,
+    in_place=False,
 ):
     """Flat 1-D allreduce in one custom call (mask: pack, reduce, unpack inside).
 
     A masked result is typed replicated only when the caller zeroed the
     unselected chunks (`replicated=True`); otherwise they keep local values.
+    `in_place`: the result takes x's buffer where the handler allows it (CPU
+    direct without a mask reads each block of every rank before writing it;
+    the ring's peers read a rank's input while it writes).
     """
     require()
     mask = jnp.zeros((0,), jnp.bool_) if chunk_mask is None else chunk_mask
     replicated = place.axes if (chunk_mask is None or replicated) else ()
-    call = jax.ffi.ffi_call("jaxcomm_allreduce", _result(x, x.shape, replicated))
+    aliased = (
+        in_place and algorithm == "direct" and chunk_mask is None and jax.default_backend() == "cpu"
+    )
+    call = jax.ffi.ffi_call(
+        "jaxcomm_allreduce",
+        _result(x, x.shape, replicated),
+        input_output_aliases={0: 0} if aliased else None,
+    )
     return call(
         x,
         _coords(place),

@@ -31,6 +31,7 @@ def allreduce(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_chunks: int | None = None,
     unselected: str = "local",
+    in_place: bool = False,
 ):
     """Sums (or averages) ``x`` over the devices of ``axis_name``.
 
@@ -75,6 +76,12 @@ def allreduce(
         chunks (a static bound, so only they travel); ``None`` reduces all
         chunks and selects afterwards. Chunks selected beyond the bound are
         not reduced.
+      in_place: let the result reuse ``x``'s buffer: a hint for the CPU
+        ffi ``"direct"`` schedule without a mask, ignored elsewhere. It
+        saves writing fresh output pages when ``x`` is an intermediate, as a
+        gradient in a training step is; if ``x`` is still needed (a jit
+        argument, or used later) XLA copies it first, which costs more than
+        it saves. ``x`` itself never changes either way.
 
     Returns:
       The reduced array, same shape and dtype as ``x``.
@@ -158,6 +165,7 @@ def allreduce(
             prescale=prescale,
             postscale=postscale,
             intra_size=_intra_size(place),
+            in_place=in_place,
         )
 
     # The ring's ppermutes and the custom calls would otherwise transpose to

@@ -227,7 +227,8 @@ def _reduce_in_buckets(leaves, axes, n, op, theta, opts):
     payload = 0
     for bucket in buckets:
         flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in bucket])
-        red = allreduce(flat, axes, op=bucket_op, **opts)
+        # The bucket is an intermediate of the step: the result may take its buffer.
+        red = allreduce(flat, axes, op=bucket_op, in_place=True, **opts)
         if scale_back is not None:
             red = (red.astype(_xla.accumulator(red.dtype)) * scale_back).astype(red.dtype)
         payload += flat.size * (dtypes[bucket[0]] if wire is None else wire).itemsize
