@@ -69,6 +69,15 @@ The roofline bounds only messages whose working set (N inputs and N outputs)
 is far larger than the caches; below that, caches beat memory and the
 fraction can exceed 1.
 
+Input. By default every implementation reduces x itself, a jit argument:
+XLA must keep it, so each writes its result to a fresh buffer. In training
+the reduced array is a gradient, made inside the step and dead after the
+allreduce. ``--input gradient`` measures that: each implementation reduces
+``x * s`` (s a traced 1.0), and ffi passes ``in_place=True`` so that its
+result takes that buffer (``allreduce_gradients`` does so for its buckets);
+psum gets the same program and XLA's own buffer choices. The roofline then
+also counts the step's read of x and write of x * s: ``4 N n`` bytes.
+
 Targets, checked at the end and printed as PASS/FAIL lines (they do not
 change the exit status): (1) ffi is no slower than psum at every size of at
 least 1 MiB; (2) ffi reaches at least half the roofline at 64 MiB.
@@ -77,6 +86,7 @@ Usage::
 
   python bench/allreduce.py                       # 4 KiB .. 256 MiB, powers of 4
   python bench/allreduce.py --max-size 16M        # quick run
+  python bench/allreduce.py --input gradient     # reduce an array made in the step
   python bench/allreduce.py --sizes 1M,64M --json out.json --plot out.png
 """
 
@@ -123,23 +133,34 @@ HUGEPAGES = "glibc.malloc.hugetlb=1"  # GLIBC_TUNABLES entry, see the docstring
 RTOL = ATOL = 1e-5  # 8 float32 values in [-1, 1): rounding error well below 1e-5
 
 
-def build_impls(mesh) -> dict:
-    """The jitted shard_map allreduce of every timed implementation."""
+def build_impls(mesh, gradient: bool) -> dict:
+    """The jitted shard_map allreduce of every timed implementation, as
+    f(x, s): of x itself, or (``gradient``) of x * s, made inside the step."""
     bodies = {
-        "ffi": lambda x: jaxcomm.allreduce(x, AXIS, backend="ffi", algorithm="direct"),
-        "ffi-ring": lambda x: jaxcomm.allreduce(x, AXIS, backend="ffi", algorithm="ring"),
-        "psum": lambda x: jax.lax.psum(x, AXIS),
+        "ffi": lambda v: jaxcomm.allreduce(
+            v, AXIS, backend="ffi", algorithm="direct", in_place=gradient
+        ),
+        "ffi-ring": lambda v: jaxcomm.allreduce(v, AXIS, backend="ffi", algorithm="ring"),
+        "psum": lambda v: jax.lax.psum(v, AXIS),
     }
+
+    def step(body):
+        # s is an argument, so XLA cannot fold x * 1 away.
+        return (lambda x, s: body(x * s)) if gradient else (lambda x, s: body(x))
+
     return {
-        name: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        name: jax.jit(
+            jax.shard_map(step(body), mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS))
+        )
         for name, body in bodies.items()
     }
 
 
-def direct_bytes_moved(size: int, n: int = N) -> float:
-    """Bytes read plus written by all ranks of the direct algorithm: every input
-    read once, every output written once (see module docstring)."""
-    return 2 * n * size
+def roofline_bytes(size: int, gradient: bool, n: int = N) -> float:
+    """Bytes read plus written by all ranks: the direct algorithm reads every
+    input once and writes every output once; with ``gradient`` the step also
+    reads x and writes x * s (see module docstring)."""
+    return (4 if gradient else 2) * n * size
 
 
 def use_hugepages() -> None:
@@ -225,7 +246,8 @@ def bench_size(
 
     # Compile and check, then two warm-up calls; the last one estimates the
     # cost of a round of all implementations.
-    calls = {impl: functools.partial(fns[impl], x) for impl in TIMED}
+    one = jax.device_put(np.float32(1), NamedSharding(mesh, P()))
+    calls = {impl: functools.partial(fns[impl], x, one) for impl in TIMED}
     round_s = 0.0
     faults = {}
     for impl in TIMED:
@@ -363,6 +385,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="keep glibc's 4 KiB pages for large allocations (see 'Page faults' above)",
     )
+    parser.add_argument(
+        "--input",
+        choices=("argument", "gradient"),
+        default="argument",
+        help="reduce a jit argument, or x * s made inside the step as a gradient is, which "
+        "ffi reduces in place (see 'Input' above; default: argument)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as a list of rows")
     parser.add_argument("--plot", metavar="PATH", help="write a busbw-vs-size plot (matplotlib)")
     parser.add_argument(
@@ -399,7 +428,8 @@ def main(argv=None) -> None:
             f"--xla_force_host_platform_device_count={N}"
         )
     mesh = jax.make_mesh((N,), (AXIS,))
-    fns = build_impls(mesh)
+    gradient = args.input == "gradient"
+    fns = build_impls(mesh, gradient)
 
     threads = min(os.cpu_count() or 1, N)
     bandwidth, threads = copy_bandwidth(threads=threads)
@@ -409,8 +439,12 @@ def main(argv=None) -> None:
     )
     print(
         f"# copy bandwidth (read+write, {threads} threads): {bandwidth / 1e9:.2f} GB/s; "
-        f"roofline = {2 * N} * size / copy bandwidth"
+        f"roofline = {roofline_bytes(1, gradient)} * size / copy bandwidth"
     )
+    if gradient:
+        print("# input: x * s, made in the step (a gradient); ffi reduces it in place")
+    else:
+        print("# input: x, a jit argument")
     print(f"# malloc: {page_mode()}")
     print("# float32 sum, time = median per call; busbw = size/time * 2(N-1)/N")
     print(f"# 1-minute load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
@@ -423,7 +457,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         print(f"[{i}/{len(args.sizes)}] {format_size(size)} ...", file=sys.stderr, flush=True)
         result = bench_size(fns, mesh, size, args.reps_time, args.min_reps, rng)
-        times = dict(result.times, roofline=direct_bytes_moved(size) / bandwidth)
+        times = dict(result.times, roofline=roofline_bytes(size, gradient) / bandwidth)
         results[size] = times
         print_row(size, times)
         spread = ", ".join(f"{impl} {result.spread[impl]:.2f}" for impl in TIMED)
