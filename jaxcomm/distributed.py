@@ -38,7 +38,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -411,6 +411,94 @@ def _differences(by_process: Mapping[int, Mapping[str, str]]) -> str | None:
     return "\n".join(lines) or None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """One meeting of all the processes of a job in the ``jax.distributed``
+    key-value store, under keys that start with ``prefix``.
+
+    Every process opens its exchanges of one kind in the same order, so that
+    the n-th of each process meets the others' n-th (the prefix counts them).
+    """
+
+    client: Any
+    process_id: int
+    process_count: int
+    prefix: str
+    timeout_s: float
+    deadline: float
+
+    @classmethod
+    def open(cls, kind: str, counter: itertools.count, timeout_s: float) -> _Exchange | None:
+        """The next exchange of ``kind``; ``None`` in a lone process, which meets nobody."""
+        from jax._src.distributed import global_state  # the client jax.distributed set up
+
+        client = global_state.client
+        if client is None or global_state.num_processes in (None, 1):
+            return None
+        prefix = f"jaxcomm/{kind}/{next(counter)}/"
+        deadline = time.monotonic() + timeout_s
+        return cls(
+            client, global_state.process_id, global_state.num_processes, prefix, timeout_s, deadline
+        )
+
+    def _wait_ms(self) -> int:
+        return max(1, int((self.deadline - time.monotonic()) * 1000))
+
+    def publish(self, key: str, value: Any) -> None:
+        self.client.key_value_set(self.prefix + key, json.dumps(value, sort_keys=True))
+
+    def read(self, key: str) -> Any:
+        """What another process published under ``key``, waited for until the deadline."""
+        return json.loads(self.client.blocking_key_value_get(self.prefix + key, self._wait_ms()))
+
+    def gather(
+        self, own: Any, *, what: str, caller: str, stop: Callable[[Any], bool] | None = None
+    ) -> tuple[dict[int, Any], bool]:
+        """Publishes ``own`` and reads every other process's value.
+
+        Args:
+          own: this process's value, JSON-serializable.
+          what: what the values are, for the timeout message.
+          caller: the public function every process must call, for the same.
+          stop: stops reading at the first value it is true for: the rest may
+            not exist (processes that disagree on the process count).
+
+        Returns:
+          Value by process id, and whether it holds every process (``False``
+          after ``stop``).
+
+        Raises:
+          TimeoutError: some processes published nothing by the deadline.
+        """
+        self.publish(str(self.process_id), own)
+        by_process = {self.process_id: own}
+        for process in range(self.process_count):
+            if process == self.process_id:
+                continue
+            try:
+                by_process[process] = self.read(str(process))
+            except jax.errors.JaxRuntimeError as error:
+                if "DEADLINE_EXCEEDED" not in str(error):
+                    raise
+                keys = (
+                    key[len(self.prefix) :] for key, _ in self.client.key_value_dir_get(self.prefix)
+                )
+                published = {int(key) for key in keys if key.isdigit()}
+                missing = [p for p in range(self.process_count) if p not in published]
+                raise TimeoutError(
+                    f"{_processes(missing)} did not publish {what} within {self.timeout_s} s; "
+                    f"every process must call {caller} the same number of times"
+                ) from None
+            if stop is not None and stop(by_process[process]):
+                return by_process, False
+        return by_process, True
+
+    def all_have_read(self) -> None:
+        """Waits for every process to get here, so nobody raises before everyone
+        has read: process 0 exiting takes the key-value store down with it."""
+        self.client.wait_at_barrier(self.prefix + "read", self._wait_ms())
+
+
 def check_same_settings(
     settings: Mapping[str, Any], *, runtime: bool = True, timeout_s: float = 300
 ) -> None:
@@ -463,47 +551,23 @@ def check_same_settings(
             jax.local_device_count(),
         )
         own.update(zip(_RUNTIME_KEYS, map(_canonical, runtime_values), strict=True))
-    from jax._src.distributed import global_state  # the client jax.distributed set up
-
-    client = global_state.client
-    if client is None or global_state.num_processes in (None, 1):
+    exchange = _Exchange.open("same_settings", _settings_checks, timeout_s)
+    if exchange is None:
         return
-    me, count = global_state.process_id, global_state.num_processes
-    own[_COUNT_KEY] = _canonical(count)
-    # Every process calls in the same order, so the n-th call meets the others' n-th.
-    prefix = f"jaxcomm/same_settings/{next(_settings_checks)}/"
-    client.key_value_set(prefix + str(me), json.dumps(own, sort_keys=True))
-    by_process = {me: own}
-    deadline = time.monotonic() + timeout_s
-    for process in range(count):
-        if process == me:
-            continue
-        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            by_process[process] = json.loads(
-                client.blocking_key_value_get(prefix + str(process), wait_ms)
-            )
-        except jax.errors.JaxRuntimeError as error:
-            if "DEADLINE_EXCEEDED" not in str(error):
-                raise
-            published = {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
-            missing = [p for p in range(count) if p not in published]
-            raise TimeoutError(
-                f"{_processes(missing)} did not publish settings within {timeout_s} s; "
-                "every process must call check_same_settings the same number of times"
-            ) from None
-        if by_process[process].get(_COUNT_KEY) != own[_COUNT_KEY]:
-            break  # the rest may not exist: report what differs now
-    else:
-        # Nobody raises before everyone has read: process 0 exiting takes the
-        # key-value store down with it.
-        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        client.wait_at_barrier(prefix + "read", wait_ms)
+    own[_COUNT_KEY] = _canonical(exchange.process_count)
+    by_process, complete = exchange.gather(
+        own,
+        what="settings",
+        caller="check_same_settings",
+        stop=lambda theirs: theirs.get(_COUNT_KEY) != own[_COUNT_KEY],
+    )
+    if complete:  # else some may not exist, and would never reach the barrier
+        exchange.all_have_read()
     differences = _differences(by_process)
     if differences:
         raise ValueError(
-            f"settings differ between the processes of this job (this is process {me} of "
-            f"{count}):\n{differences}"
+            f"settings differ between the processes of this job (this is process "
+            f"{exchange.process_id} of {exchange.process_count}):\n{differences}"
         )
 
 
