@@ -26,14 +26,17 @@ When a process dies, the others end too, non-zero, in seconds
 closes, and JAX's coordination service aborts every process once the dead one
 has missed heartbeats for ``heartbeat_timeout_s`` (30 s here, JAX's default is
 100 s). :func:`check_same_settings` makes the processes compare their
-settings once at start.
+settings once at start, and :func:`check_same_collectives` the collectives
+their programs issue, which they would otherwise hang in when they differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
+import numbers
 import os
 import re
 import sys
@@ -64,7 +67,9 @@ HEARTBEAT_TIMEOUT_S = 30
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
     "ProcessSettings",
+    "check_same_collectives",
     "check_same_settings",
+    "collective_sequence",
     "first_slurm_host",
     "hierarchical_mesh",
     "initialize",
@@ -569,6 +574,351 @@ def check_same_settings(
             f"settings differ between the processes of this job (this is process "
             f"{exchange.process_id} of {exchange.process_count}):\n{differences}"
         )
+
+
+# Collectives of a program, from its HLO before optimisation.
+
+# HLO instructions that exchange data between devices.
+_COLLECTIVE_OPCODES = frozenset(
+    {
+        "all-gather",
+        "all-reduce",
+        "all-to-all",
+        "collective-broadcast",
+        "collective-permute",
+        "ragged-all-to-all",
+        "reduce-scatter",
+    }
+)
+# What a collective exchanges with whom. channel_id's number is left out, a
+# numbering that rewrites may change; whether there is one is kept as "channel".
+_EXCHANGE_ATTRIBUTES = (
+    "dimensions",
+    "replica_groups",
+    "source_target_pairs",
+    "use_global_device_ids",
+)
+# Custom calls that communicate: jaxcomm's FFI collectives.
+_JAXCOMM_TARGET_PREFIX = "jaxcomm"
+# Instructions whose attributes are read even when they call no computation.
+_MAY_COMMUNICATE = _COLLECTIVE_OPCODES | {"custom-call"}
+_INSTRUCTION = re.compile(
+    r"\s*(?P<root>ROOT\s+)?%?[^\s=]+ = (?P<type>.*?) (?P<opcode>[a-z][a-z0-9-]*)\([^)]*\)"
+    r"(?:, (?P<attributes>.*))?"
+)
+_COMPUTATION_HEADER = re.compile(r"(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(]+)[^=]*\{\s*")
+# Attributes that name the computations an instruction runs (call, while,
+# conditional, fusion, reductions).
+_CALLS = re.compile(
+    r"\b(?:to_apply|body|condition|calls|true_computation|false_computation"
+    r"|branch_computations|called_computations)="
+)
+_SINGLE_CALLS = ("to_apply", "body", "condition", "calls", "true_computation", "false_computation")
+_MULTIPLE_CALLS = ("branch_computations", "called_computations")
+
+
+def _hlo_attributes(text: str) -> dict[str, str]:
+    """The ``key=value`` attributes of an HLO instruction: split at the commas
+    outside brackets and strings (replica groups and configs hold commas)."""
+    pieces, depth, start, quoted, escaped = [], 0, 0, False, False
+    for i, char in enumerate(text):
+        if quoted:
+            escaped, quoted = char == "\\" and not escaped, quoted and (char != '"' or escaped)
+        elif char == '"':
+            quoted = True
+        elif char in "{[(":
+            depth += 1
+        elif char in "}])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    pieces.append(text[start:])
+    return dict(piece.strip().partition("=")[::2] for piece in pieces if piece.strip())
+
+
+def _hlo_computations(text: str) -> tuple[dict[str, list[re.Match]], str]:
+    """Instructions by computation name, and the name of the entry computation."""
+    computations: dict[str, list[re.Match]] = {}
+    entry, instructions = None, None
+    for line in text.splitlines():
+        if instructions is None:
+            header = _COMPUTATION_HEADER.fullmatch(line)
+            if header and not line.startswith("HloModule"):
+                instructions = computations.setdefault(header["name"], [])
+                entry = header["name"] if header["entry"] else entry
+        elif line.strip() == "}":
+            instructions = None
+        elif instruction := _INSTRUCTION.fullmatch(line):
+            instructions.append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return computations, entry
+
+
+def _called(attributes: Mapping[str, str]) -> list[str]:
+    names = [attributes[key] for key in _SINGLE_CALLS if key in attributes]
+    for key in _MULTIPLE_CALLS:
+        names += re.findall(r"[^\s{},%]+", attributes.get(key, ""))
+    return [name.lstrip("%") for name in names]
+
+
+def _reduction(computation: list[re.Match]) -> str:
+    """The opcode at the root of a reduction computation: add, maximum, ..."""
+    return next((i["opcode"] for i in computation if i["root"]), "?")
+
+
+def _signature(
+    instruction: re.Match, attributes: Mapping[str, str], computations: Mapping[str, list]
+) -> str | None:
+    """One line for a collective, equal in two processes when they issue the
+    same collective; ``None`` for an instruction that does not communicate."""
+    opcode = instruction["opcode"]
+    # The result type without layouts: f32[8]{0} -> f32[8].
+    parts = [re.sub(r"\{[^{}]*\}", "", instruction["type"])]
+    if opcode == "custom-call":
+        target = attributes.get("custom_call_target", "").strip('"')
+        if not target.startswith(_JAXCOMM_TARGET_PREFIX):
+            return None
+        # {algorithm = 2 : i32, op_id = 1 : i64} -> {algorithm=2, op_id=1}; op_id is the
+        # call site, which picks the NCCL communicator on GPU, so it must agree too.
+        config = attributes.get("backend_config", "")
+        return " ".join([target, *parts, re.sub(r" : \w+", "", config).replace(" = ", "=")])
+    if opcode not in _COLLECTIVE_OPCODES:
+        return None
+    if "to_apply" in attributes:
+        opcode += f"({_reduction(computations.get(attributes['to_apply'].lstrip('%'), []))})"
+    if "channel_id" in attributes:
+        parts.append("channel")
+    parts += [f"{key}={attributes[key]}" for key in _EXCHANGE_ATTRIBUTES if key in attributes]
+    return " ".join([opcode, *parts])
+
+
+def collective_sequence(lowered: jax.stages.Lowered | str) -> list[str]:
+    """The collectives of a lowered program, one line each, in the order its HLO lists them.
+
+    Reads the HLO before optimisation (``lowered.as_text(dialect="hlo")``), so
+    nothing is compiled. It lists the instructions that communicate
+    (all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all,
+    collective-broadcast, ragged-all-to-all) and custom calls whose target
+    starts with ``jaxcomm`` (the ``backend="ffi"`` collectives), in the order
+    of the HLO text, with the collectives of called computations (loop
+    bodies, both branches of a conditional, calls) where they are called.
+    That order follows the data flow, which XLA schedules from: the same
+    program gives the same list in every process, and one whose collectives
+    run in another order (a pytree flattened in another order) another list. A line holds the opcode
+    (with the reduction, e.g. ``all-reduce(add)``) or custom-call target, the
+    result type, and what says who exchanges with whom: replica groups,
+    source-target pairs, dimensions, whether it has a channel; for jaxcomm's
+    calls, their options, including the call-site id (``op_id``). Instruction
+    names and channel numbers, which may differ between processes for the
+    same program, are left out.
+
+    Collectives that XLA's partitioner adds during compilation (``jax.jit``
+    with sharded arguments and no ``shard_map``) are not in this HLO yet, so
+    they are not listed.
+
+    Args:
+      lowered: ``jax.jit(f).lower(*args)``, or the text of its
+        ``as_text(dialect="hlo")``.
+
+    Returns:
+      One line per collective.
+
+    Examples:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("batch",))
+      >>> total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "batch"), mesh=mesh,
+      ...                               in_specs=P("batch"), out_specs=P()))
+      >>> x = jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, P("batch")))
+      >>> collective_sequence(total.lower(x))  # doctest: +NORMALIZE_WHITESPACE
+      ['all-reduce(add) f32[2] channel replica_groups={{0,1,2,3,4,5,6,7}}
+        use_global_device_ids=true']
+    """
+    text = lowered if isinstance(lowered, str) else lowered.as_text(dialect="hlo")
+    computations, entry = _hlo_computations(text)
+    issued: dict[str, list[str]] = {}  # by computation, each read once
+
+    def walk(name: str) -> list[str]:
+        if name not in issued:
+            sequence = []
+            for instruction in computations.get(name, []):
+                rest = instruction["attributes"] or ""
+                if instruction["opcode"] not in _MAY_COMMUNICATE and not _CALLS.search(rest):
+                    continue
+                attributes = _hlo_attributes(rest)
+                signature = _signature(instruction, attributes, computations)
+                if signature is not None:
+                    sequence.append(signature)
+                else:
+                    for called in _called(attributes):
+                        sequence += walk(called)
+            issued[name] = sequence
+        return issued[name]
+
+    return list(walk(entry))
+
+
+_collective_checks = itertools.count()
+_CONTEXT = 2  # collectives shown on each side of the first difference
+_SHOWN_CHARS = 240  # longer lines (replica groups of big meshes) lose their middle
+
+
+def _shorten(line: str) -> str:
+    if len(line) <= _SHOWN_CHARS:
+        return line
+    return f"{line[: _SHOWN_CHARS - 80]} ... {line[-75:]}"
+
+
+def _sequence_differences(by_holders: Mapping[tuple[int, ...], list[str]]) -> str:
+    """Lines naming the first position where the sequences differ, what each
+    group of processes has there, the lengths, and a few collectives around it."""
+
+    def holders_of(values: Mapping[tuple[int, ...], Any]) -> list[str]:
+        ids: dict[Any, list[int]] = {}
+        for holders, value in values.items():
+            ids.setdefault(value, []).extend(holders)
+        return [f"{value} on {_processes(sorted(p))}" for value, p in ids.items()]
+
+    sequences = list(by_holders.values())
+    shortest = min(map(len, sequences))
+    first = next((i for i in range(shortest) if len({s[i] for s in sequences}) > 1), shortest)
+    here = {
+        holders: _shorten(seq[first]) if first < len(seq) else f"nothing (it issues {len(seq)})"
+        for holders, seq in by_holders.items()
+    }
+    lines = [f"  first difference at collective {first} (counting from 0):"]
+    lines += [f"    {entry}" for entry in holders_of(here)]
+    lengths = holders_of({holders: len(seq) for holders, seq in by_holders.items()})
+    lines.append(f"  collectives in all: {'; '.join(lengths)}")
+    for holders, sequence in by_holders.items():
+        start, stop = max(0, first - _CONTEXT), min(len(sequence), first + _CONTEXT + 1)
+        if start == stop:
+            lines.append(f"  {_processes(list(holders))}: no collectives")
+            continue
+        lines.append(f"  {_processes(list(holders))}, collectives {start}-{stop - 1}:")
+        lines += [
+            f"    {'>' if i == first else ' '} {i}: {_shorten(sequence[i])}"
+            for i in range(start, stop)
+        ]
+    return "\n".join(lines)
+
+
+def _lowered(step, args: tuple, kwargs: dict) -> jax.stages.Lowered:
+    if isinstance(step, jax.stages.Lowered):
+        if args or kwargs:
+            raise TypeError("a Lowered step takes no arguments: they were given to lower()")
+        return step
+    if isinstance(step, jax.stages.Compiled):
+        raise TypeError(
+            "pass the Lowered step (jax.jit(step).lower(*args)), not its compile(): "
+            "check_same_collectives reads the program before optimisation"
+        )
+    if not callable(step):
+        raise TypeError(
+            f"step must be a function, a jitted function or a jax.stages.Lowered, "
+            f"not {type(step).__name__}"
+        )
+    lower = getattr(step, "lower", None) or jax.jit(step).lower
+    return lower(*args, **kwargs)
+
+
+def check_same_collectives(step, /, *args, timeout_s: float = 300, **kwargs) -> list[str]:
+    """Raises in every process if the processes' programs issue different collectives.
+
+    Every process traces its own program. If the programs differ (pytrees in
+    another order, a flag that changes bucketing, a branch taken in one
+    process only), their collectives run in another order or with other
+    shapes, and gloo or NCCL then hang or fail obscurely. Call this once at
+    start, after :func:`initialize` (and :func:`check_same_settings`), with
+    the step and its first arguments: each process lowers the step (it traces,
+    it does not compile), lists its collectives with
+    :func:`collective_sequence`, and compares the list with the other
+    processes' through the ``jax.distributed`` key-value store. Each process
+    publishes a digest; only if they differ does one process of each group
+    publish its list, so that every process can say where they part. In a
+    single process it returns the list, with nothing to compare.
+
+    Collectives that XLA's partitioner inserts during compilation are not
+    compared (see :func:`collective_sequence`): this covers ``shard_map``,
+    ``pmap`` and jaxcomm's collectives and transforms.
+
+    Args:
+      step: a function, a jitted function (``jax.jit(step)``, called as
+        ``step.lower(*args, **kwargs)``), or an already lowered one
+        (``jax.jit(step).lower(*args)``, then no ``args``).
+      *args: example arguments: arrays, or ``jax.ShapeDtypeStruct`` with
+        shardings.
+      timeout_s: how long to wait for the other processes.
+      **kwargs: keyword arguments of ``step`` (none may be called ``timeout_s``).
+
+    Returns:
+      This process's collectives, one line each (see :func:`collective_sequence`).
+
+    Raises:
+      ValueError: the collectives differ; every process raises it, naming the
+        first position where they differ, what each process has there, the
+        number of collectives of each, and a few collectives around the
+        difference. Also a process count that differs.
+      TimeoutError: some processes did not publish within ``timeout_s``
+        (they never called this, or called it more often).
+      TypeError: ``step`` is not a function or a ``Lowered``, or is a
+        ``Lowered`` given arguments.
+
+    Examples:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("batch",))
+      >>> @jax.jit
+      ... @jax.shard_map(mesh=mesh, in_specs=P("batch"), out_specs=P())
+      ... def mean_norm(x):
+      ...     return jax.lax.pmean(jax.numpy.sum(x * x), "batch")
+      >>> x = jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, P("batch")))
+      >>> collectives = check_same_collectives(mean_norm, x)  # one process: nothing to compare
+      >>> [line.split()[:2] for line in collectives]
+      [['all-reduce(add)', 'f32[]']]
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    sequence = collective_sequence(_lowered(step, args, kwargs))
+    exchange = _Exchange.open("same_collectives", _collective_checks, timeout_s)
+    if exchange is None:
+        return sequence
+    me, count = exchange.process_id, exchange.process_count
+    digest = hashlib.sha256(json.dumps(sequence).encode()).hexdigest()
+    summaries, complete = exchange.gather(
+        {"processes": count, "sha256": digest},
+        what="collectives",
+        caller="check_same_collectives",
+        stop=lambda theirs: theirs["processes"] != count,
+    )
+    if not complete:
+        counts = {p: {_COUNT_KEY: _canonical(s["processes"])} for p, s in summaries.items()}
+        raise ValueError(
+            f"the process count differs between the processes of this job (this is process "
+            f"{me} of {count}):\n{_differences(counts)}"
+        )
+    groups: dict[str, list[int]] = {}
+    for process in sorted(summaries):
+        groups.setdefault(summaries[process]["sha256"], []).append(process)
+    by_holders = {}
+    if len(groups) > 1:
+        # Lists go through process 0's key-value store: one per group, not one per process.
+        if groups[digest][0] == me:
+            exchange.publish(f"sequence/{me}", sequence)
+        for holders in groups.values():
+            own = me in holders
+            by_holders[tuple(holders)] = (
+                sequence if own else exchange.read(f"sequence/{holders[0]}")
+            )
+    exchange.all_have_read()
+    if by_holders:
+        raise ValueError(
+            f"collectives differ between the processes of this job (this is process {me} of "
+            f"{count}):\n{_sequence_differences(by_holders)}"
+        )
+    return sequence
 
 
 def hierarchical_mesh(

@@ -2,7 +2,8 @@
 devices train like 1 process x 8, the launcher stops a job when a rank fails,
 and jaxcomm.distributed reads the environment of launch, srun and mpirun.
 Without the launcher, processes end on their own when a peer dies or freezes,
-and check_same_settings stops a job whose processes disagree."""
+and check_same_settings and check_same_collectives stop a job whose processes
+disagree on their settings or on the collectives their programs issue."""
 
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ def test_free_port_can_be_bound():
 
 
 # Plain processes, no launcher: what a process does on its own when a peer
-# dies, and check_same_settings.
+# dies, and check_same_settings and check_same_collectives.
 
 # One warm-up psum over a mesh that spans both processes (so compilation and
 # gloo's connections are done), then the victim idles and the survivor blocks
@@ -454,6 +455,86 @@ def test_settings_differences_in_one_process():
     for reserved in ("jax.__version__", "jax.process_count()"):
         with pytest.raises(ValueError, match="reserved"):
             distributed.check_same_settings({reserved: "0"}, runtime=False)
+
+
+# Two leaves summed with jaxcomm.allreduce in the order ORDER names them: a
+# process that flattens its gradients in another order issues the same
+# all-reduces swapped. With AGREE_THEN_RUN both also run the step afterwards.
+SAME_COLLECTIVES = """
+    import os, jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxcomm, jaxcomm.distributed as distributed
+
+    distributed.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    order = os.environ["ORDER"].split(",")
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("d"), out_specs=P())
+    def step(x):
+        grads = {"w": x[:2], "b": x[2:]}
+        return tuple(jaxcomm.allreduce(grads[k], "d", backend="xla") for k in order)
+
+    values = np.arange(6 * mesh.size, dtype=np.float32)
+    x = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("d")), values.__getitem__)
+    if os.environ.get("SKIP") != str(jax.process_index()):
+        timeout_s = float(os.environ["TIMEOUT"])
+        collectives = distributed.check_same_collectives(step, x, timeout_s=timeout_s)
+        print("collectives agree:", len(collectives), flush=True)
+    if os.environ.get("AGREE_THEN_RUN"):
+        print("sums", *(np.asarray(s).tolist() for s in step(x)), flush=True)
+"""
+
+
+def test_check_same_collectives_across_processes(tmp_path):
+    script = _script(tmp_path, "collectives.py", SAME_COLLECTIVES)
+    agree = tmp_path / "agree"
+    agree.mkdir()
+    assert _finish(_start(agree, script, ORDER="w,b", TIMEOUT=60, AGREE_THEN_RUN=1)) == [0, 0]
+    for rank in (0, 1):
+        output = _log(agree, rank)
+        assert "collectives agree: 2" in output, output
+        assert "sums [6.0, 8.0] [10.0, 12.0, 14.0, 16.0]" in output, output
+
+    differ = tmp_path / "differ"
+    differ.mkdir()
+    codes = _finish(_start(differ, script, ORDER=["w,b", "b,w"], TIMEOUT=60))
+    first = "all-reduce(add) f32[{}] channel replica_groups={{{{0,1}}}} use_global_device_ids=true"
+    for rank in (0, 1):
+        output = _log(differ, rank)
+        assert codes[rank] == 1, output
+        assert (
+            "ValueError: collectives differ between the processes of this job "
+            f"(this is process {rank} of 2):\n"
+            "  first difference at collective 0 (counting from 0):\n"
+            f"    {first.format(2)} on process 0\n"
+            f"    {first.format(4)} on process 1\n"
+            "  collectives in all: 2 on processes 0, 1\n"
+        ) in output, output
+        assert f"    > 0: {first.format(4)}\n      1: {first.format(2)}" in output, output
+        assert "collectives agree" not in output
+
+
+def test_check_same_collectives_when_processes_are_missing(tmp_path):
+    """A process that never calls it is named; processes that disagree on the
+    count stop at once rather than wait for process 2."""
+    script = _script(tmp_path, "collectives.py", SAME_COLLECTIVES)
+    never = tmp_path / "never"
+    never.mkdir()
+    codes = _finish(_start(never, script, ORDER="w,b", TIMEOUT=2, SKIP=1))
+    assert codes[0] != 0
+    output = _log(never, 0)
+    assert "TimeoutError: process 1 did not publish collectives within 2.0 s" in output, output
+    assert "must call check_same_collectives the same number of times" in output, output
+
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    codes = _finish(_start(counts, script, ORDER="w,b", TIMEOUT=60, JAXCOMM_NUM_PROCESSES=[2, 3]))
+    for rank in (0, 1):
+        output = _log(counts, rank)
+        assert codes[rank] == 1, output
+        assert "ValueError: the process count differs between the processes" in output, output
+        assert "jax.process_count(): 2 on process 0; 3 on process 1" in output, output
 
 
 # jaxcomm.distributed.resolve_settings: pure functions of the environment.
