@@ -132,6 +132,10 @@ def train(args) -> dict:
     for i in range(args.steps):
         batch = order.choice(len(inputs), size=args.batch, replace=False)
         x, y = global_array(inputs[batch], P(axes)), global_array(labels[batch], P(axes))
+        if i == 0:
+            # Every process must issue the same collectives in the same order:
+            # stop now, naming the first that differs, rather than hang in it.
+            distributed.check_same_collectives(run, params, opt_state, x, y)
         # One step in flight at a time: overlapping CPU collectives can abort.
         params, opt_state, loss = jax.block_until_ready(run(params, opt_state, x, y))
         if i % 5 == 0 or i == args.steps - 1:
