@@ -69,24 +69,27 @@ The roofline bounds only messages whose working set (N inputs and N outputs)
 is far larger than the caches; below that, caches beat memory and the
 fraction can exceed 1.
 
-Input. By default every implementation reduces x itself, a jit argument:
-XLA must keep it, so each writes its result to a fresh buffer. In training
-the reduced array is a gradient, made inside the step and dead after the
-allreduce. ``--input gradient`` measures that: each implementation reduces
-``x * s`` (s a traced 1.0), and ffi passes ``in_place=True`` so that its
-result takes that buffer (``allreduce_gradients`` does so for its buckets);
-psum gets the same program and XLA's own buffer choices. The roofline then
-also counts the step's read of x and write of x * s: ``4 N n`` bytes.
+Input. The sweep runs twice, one table each (``--input`` picks one):
 
-Targets, checked at the end and printed as PASS/FAIL lines (they do not
-change the exit status): (1) ffi is no slower than psum at every size of at
+  argument   every implementation reduces x itself, a jit argument. XLA
+             must keep it, so each writes its result to a fresh buffer.
+  gradient   every implementation reduces ``x * s`` (s a traced 1.0), made
+             inside the step and dead after the allreduce, as a gradient is
+             in training. ffi passes ``in_place=True``, so its result takes
+             that buffer (``allreduce_gradients`` does so for its buckets);
+             psum gets the same program and XLA's own buffer choices. The
+             roofline also counts the step's read of x and write of x * s:
+             ``4 N n`` bytes.
+
+Targets, checked after each table and printed as PASS/FAIL lines naming
+the input (they do not change the exit status): (1) ffi is no slower than psum at every size of at
 least 1 MiB; (2) ffi reaches at least half the roofline at 64 MiB.
 
 Usage::
 
   python bench/allreduce.py                       # 4 KiB .. 256 MiB, powers of 4
   python bench/allreduce.py --max-size 16M        # quick run
-  python bench/allreduce.py --input gradient     # reduce an array made in the step
+  python bench/allreduce.py --input gradient     # only the array made in the step
   python bench/allreduce.py --sizes 1M,64M --json out.json --plot out.png
 """
 
@@ -324,14 +327,17 @@ def target_checks(results: dict) -> list[str]:
 
 
 def write_json(path: str, results: dict) -> None:
+    """results: input kind -> size -> impl -> seconds. One row per (input, size, impl)."""
     rows = [
         {
             "impl": impl,
+            "input": kind,
             "size_bytes": size,
             "time_s": times[impl],
             "busbw_GBps": busbw(size, times[impl]),
         }
-        for size, times in results.items()
+        for kind, by_size in results.items()
+        for size, times in by_size.items()
         for impl in IMPLS
     ]
     with open(path, "w") as f:
@@ -340,6 +346,7 @@ def write_json(path: str, results: dict) -> None:
 
 
 def write_plot(path: str, results: dict) -> None:
+    """busbw against size, one panel per input kind."""
     try:
         import matplotlib
 
@@ -348,18 +355,19 @@ def write_plot(path: str, results: dict) -> None:
     except ImportError:
         print(f"# matplotlib is not installed; skipping the plot {path}")
         return
-    sizes = sorted(results)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
     styles = {"ffi": "o-", "ffi-ring": "s-", "psum": "^-", "roofline": "k--"}
-    for impl in IMPLS:
-        ax.plot(sizes, [busbw(s, results[s][impl]) for s in sizes], styles[impl], label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [format_size(s) for s in sizes], rotation=45)
-    ax.set_xlabel("message size per device")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"float32 sum allreduce, {N} CPU devices")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    for ax, (kind, by_size) in zip(axes[0], results.items(), strict=True):
+        sizes = sorted(by_size)
+        for impl in IMPLS:
+            ax.plot(sizes, [busbw(s, by_size[s][impl]) for s in sizes], styles[impl], label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [format_size(s) for s in sizes], rotation=45)
+        ax.set_xlabel("message size per device")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"float32 sum allreduce, {N} CPU devices; input: {kind}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -387,10 +395,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--input",
-        choices=("argument", "gradient"),
-        default="argument",
-        help="reduce a jit argument, or x * s made inside the step as a gradient is, which "
-        "ffi reduces in place (see 'Input' above; default: argument)",
+        choices=("both", *INPUTS),
+        default="both",
+        help="reduce a jit argument, x * s made inside the step as a gradient is (which ffi "
+        "reduces in place), or both, one table each (see 'Input' above; default: both)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as a list of rows")
     parser.add_argument("--plot", metavar="PATH", help="write a busbw-vs-size plot (matplotlib)")
@@ -418,6 +426,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+INPUTS = {
+    "argument": "x, a jit argument",
+    "gradient": "x * s, made in the step (a gradient); ffi reduces it in place",
+}
+
+
+def sweep(mesh, sizes, gradient: bool, bandwidth: float, args) -> dict:
+    """Checks and times every size for one kind of input; prints the table."""
+    fns = build_impls(mesh, gradient)
+    print(
+        f"# input: {INPUTS['gradient' if gradient else 'argument']}; "
+        f"roofline = {roofline_bytes(1, gradient)} * size / copy bandwidth"
+    )
+    print(f"# 1-minute load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
+    print_header()
+    rng = np.random.default_rng(0)
+    results = {}
+    for i, size in enumerate(sizes, 1):
+        t0 = time.perf_counter()
+        print(f"[{i}/{len(sizes)}] {format_size(size)} ...", file=sys.stderr, flush=True)
+        result = bench_size(fns, mesh, size, args.reps_time, args.min_reps, rng)
+        times = dict(result.times, roofline=roofline_bytes(size, gradient) / bandwidth)
+        results[size] = times
+        print_row(size, times)
+        spread = ", ".join(f"{impl} {result.spread[impl]:.2f}" for impl in TIMED)
+        faults = ", ".join(f"{impl} {result.faults[impl]}" for impl in TIMED)
+        print(
+            f"[{i}/{len(sizes)}] {format_size(size)}: {result.reps} reps in "
+            f"{time.perf_counter() - t0:.1f} s; slowest/fastest: {spread}; "
+            f"page faults per call: {faults}",
+            file=sys.stderr,
+            flush=True,
+        )
+    kind = "gradient" if gradient else "argument"
+    for line in target_checks(results):
+        print(f"{line} [input: {kind}]")
+    return results
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if argv is None and not args.no_hugepages:
@@ -428,51 +475,22 @@ def main(argv=None) -> None:
             f"--xla_force_host_platform_device_count={N}"
         )
     mesh = jax.make_mesh((N,), (AXIS,))
-    gradient = args.input == "gradient"
-    fns = build_impls(mesh, gradient)
-
     threads = min(os.cpu_count() or 1, N)
     bandwidth, threads = copy_bandwidth(threads=threads)
     print(
         f"# jax {jax.__version__}, jaxcomm {jaxcomm.__version__}, "
         f"{N} x {jax.devices()[0].platform} devices, {os.cpu_count()} CPUs"
     )
-    print(
-        f"# copy bandwidth (read+write, {threads} threads): {bandwidth / 1e9:.2f} GB/s; "
-        f"roofline = {roofline_bytes(1, gradient)} * size / copy bandwidth"
-    )
-    if gradient:
-        print("# input: x * s, made in the step (a gradient); ffi reduces it in place")
-    else:
-        print("# input: x, a jit argument")
+    print(f"# copy bandwidth (read+write, {threads} threads): {bandwidth / 1e9:.2f} GB/s")
     print(f"# malloc: {page_mode()}")
     print("# float32 sum, time = median per call; busbw = size/time * 2(N-1)/N")
-    print(f"# 1-minute load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
-    print_header()
-
-    rng = np.random.default_rng(0)
-    results = {}
+    inputs = list(INPUTS) if args.input == "both" else [args.input]
     start = time.perf_counter()
-    for i, size in enumerate(args.sizes, 1):
-        t0 = time.perf_counter()
-        print(f"[{i}/{len(args.sizes)}] {format_size(size)} ...", file=sys.stderr, flush=True)
-        result = bench_size(fns, mesh, size, args.reps_time, args.min_reps, rng)
-        times = dict(result.times, roofline=roofline_bytes(size, gradient) / bandwidth)
-        results[size] = times
-        print_row(size, times)
-        spread = ", ".join(f"{impl} {result.spread[impl]:.2f}" for impl in TIMED)
-        faults = ", ".join(f"{impl} {result.faults[impl]}" for impl in TIMED)
-        print(
-            f"[{i}/{len(args.sizes)}] {format_size(size)}: {result.reps} reps in "
-            f"{time.perf_counter() - t0:.1f} s; slowest/fastest: {spread}; "
-            f"page faults per call: {faults}",
-            file=sys.stderr,
-            flush=True,
-        )
+    results = {}
+    for kind in inputs:
+        print()
+        results[kind] = sweep(mesh, args.sizes, kind == "gradient", bandwidth, args)
     print(f"# total {time.perf_counter() - start:.0f} s")
-
-    for line in target_checks(results):
-        print(line)
     if args.json:
         write_json(args.json, results)
     if args.plot:
