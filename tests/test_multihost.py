@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxcomm import distributed, launch
+from jaxcomm.distributed import agreement
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "multihost" / "train.py"
@@ -438,15 +439,15 @@ def test_check_same_settings_names_a_process_that_never_calls_it(tmp_path):
 
 
 def test_settings_differences_in_one_process():
-    differences = distributed._differences(
+    differences = agreement._differences(
         {0: {"a": "1", "b": "2"}, 1: {"a": "1", "b": "3"}, 2: {"a": "1"}}
     )
     assert differences == "  b: 2 on process 0; 3 on process 1; <not set> on process 2"
-    assert distributed._differences({0: {"a": "1"}, 1: {"a": "1"}}) is None
-    many = distributed._differences({p: {"k": str(p % 2)} for p in range(20)})
+    assert agreement._differences({0: {"a": "1"}, 1: {"a": "1"}}) is None
+    many = agreement._differences({p: {"k": str(p % 2)} for p in range(20)})
     assert "0 on processes 0, 2, 4, 6, 8, 10, 12, 14, ... (10 in all)" in many
     # Dicts and sets compare by content, not by insertion or hash order.
-    canonical = distributed._canonical
+    canonical = agreement._canonical
     assert canonical({"b": 1, "a": {2, 1}}) == canonical({"a": {1, 2}, "b": 1})
     assert canonical((1, [2])) != canonical([1, (2,)])
     distributed.check_same_settings({"lr": 0.1, "dtype": np.dtype("float16")})
