@@ -1,5 +1,4 @@
-"""Multi-process start-up: ``jax.distributed`` from the usual environment, and a
-(process, local device) mesh for hierarchical allreduce.
+"""Multi-process start-up: ``jax.distributed`` from the usual environment.
 
 Every process of a job calls :func:`initialize` before anything touches a JAX
 device. It finds the coordinator address, the number of processes and this
@@ -20,14 +19,18 @@ On CPU, JAX's collectives across processes run over gloo (TCP), which jax
 0.10.2 selects by default (``jax_cpu_collectives_implementation="gloo"``) once
 ``jax.distributed`` is initialized; :func:`initialize` sets it explicitly so an
 inherited ``"mpi"`` or ``None`` cannot leave CPU collectives single-process.
+Its ``interface`` (or ``JAXCOMM_SOCKET_IFNAME``) chooses the network gloo
+uses, and process 0's coordination service listens no wider than the
+coordinator address needs (:mod:`jaxcomm.distributed.network`).
 
 When a process dies, the others end too, non-zero, in seconds
 (``docs/faults.md``): a collective with it fails as soon as its TCP connection
 closes, and JAX's coordination service aborts every process once the dead one
 has missed heartbeats for ``heartbeat_timeout_s`` (30 s here, JAX's default is
-100 s). :func:`check_same_settings` makes the processes compare their
-settings once at start, and :func:`check_same_collectives` the collectives
-their programs issue, which they would otherwise hang in when they differ.
+100 s). :func:`~jaxcomm.distributed.check_same_settings` makes the
+processes compare their settings once at start, and
+:func:`~jaxcomm.distributed.check_same_collectives` the collectives their
+programs issue, which they would otherwise hang in when they differ.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import time
 from collections.abc import Mapping
 
 import jax
+
+from jaxcomm.distributed import network
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
@@ -255,6 +260,8 @@ def initialize(
     local_device_count: int | None = None,
     fail_fast: bool = True,
     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    interface: str | None = None,
+    coordinator_bind_address: str | None = None,
 ) -> ProcessSettings:
     """Joins this process to a multi-process JAX job (``jax.distributed``).
 
@@ -284,15 +291,33 @@ def initialize(
         heartbeat (killed, frozen, its host gone) is declared dead; JAX then
         aborts every process of the job with a message naming it. Raise it
         for hosts that may stall longer than that and recover.
+      interface: the network interface (``"eth1"``) or IP address of this host
+        that CPU collectives (gloo) listen on, as PyTorch's
+        ``GLOO_SOCKET_IFNAME``; by default ``JAXCOMM_SOCKET_IFNAME``, else
+        gloo uses the address this host's name resolves to. Needed on hosts
+        with several networks, or whose name resolves to 127.0.0.1. GPU
+        collectives (NCCL) read ``NCCL_SOCKET_IFNAME`` instead.
+      coordinator_bind_address: where process 0's coordination service (an
+        unauthenticated key-value store) listens, ``host`` or ``host:port``;
+        by default ``JAXCOMM_COORDINATOR_BIND_ADDRESS`` or
+        ``JAX_COORDINATOR_BIND_ADDRESS``, else no wider than the coordinator
+        address needs: a loopback coordinator (``python -m jaxcomm.launch``)
+        binds loopback only, one that is an address of this host binds that
+        address, and only a coordinator that cannot be told to be this
+        host's binds every interface (see
+        :func:`jaxcomm.distributed.network.resolve_bind_address`).
 
     Returns:
       The :class:`ProcessSettings` used.
 
     Raises:
-      ValueError: missing or contradicting settings (see :func:`resolve_settings`).
+      ValueError: missing or contradicting settings (see :func:`resolve_settings`),
+        an ``interface`` this host does not have, or an ``interface`` with
+        CPU collectives other than gloo.
       RuntimeError: called twice, or after JAX initialized its backends.
     """
     settings = resolve_settings(coordinator_address, num_processes, process_id)
+    gloo_endpoint = network.resolve_interface(interface)
     if local_device_count is not None:
         if as_int(local_device_count, "local_device_count") < 1:
             raise ValueError(f"local_device_count={local_device_count} must be at least 1")
@@ -302,13 +327,28 @@ def initialize(
         # it unset (None) does not make cross-process CPU collectives fail.
         if jax.config.jax_cpu_collectives_implementation is None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        collectives = jax.config.jax_cpu_collectives_implementation
+        if gloo_endpoint is not None and collectives != "gloo":
+            raise ValueError(
+                f"interface {gloo_endpoint.interface or gloo_endpoint.address!r} chooses where "
+                f"gloo listens, but CPU collectives are {collectives!r} "
+                "(jax_cpu_collectives_implementation)"
+            )
+        bind_address = None  # only process 0 runs the coordination service
+        if settings.process_id == 0:
+            bind_address = network.resolve_bind_address(
+                settings.coordinator_address, coordinator_bind_address
+            )
         jax.distributed.initialize(
             coordinator_address=settings.coordinator_address,
             num_processes=settings.num_processes,
             process_id=settings.process_id,
             cluster_detection_method="deactivate",
             heartbeat_timeout_seconds=as_int(heartbeat_timeout_s, "heartbeat_timeout_s"),
+            coordinator_bind_address=bind_address,
         )
+        if gloo_endpoint is not None:
+            network.use_gloo_endpoint(gloo_endpoint)
         if fail_fast:
             sys.excepthook = _exit_after(sys.excepthook, settings)
     return settings
