@@ -3,6 +3,8 @@
 - :mod:`~jaxcomm.distributed.startup`: :func:`initialize` joins a process to a
   ``jax.distributed`` job from its arguments or the launcher, SLURM or Open MPI
   variables (:func:`resolve_settings` finds them without starting anything).
+- :mod:`~jaxcomm.distributed.network`: the interface gloo listens on, and
+  the address process 0's coordination service binds.
 - :mod:`~jaxcomm.distributed.exchange`: meetings of all processes in the
   ``jax.distributed`` key-value store.
 - :mod:`~jaxcomm.distributed.agreement`: :func:`check_same_settings` and
