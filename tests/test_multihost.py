@@ -238,8 +238,6 @@ def test_exit_codes_propagate(tmp_path):
 
 
 def test_free_port_can_be_bound():
-    import socket
-
     port = launch.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
