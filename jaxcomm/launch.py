@@ -3,9 +3,10 @@
 Starts ``n`` copies of a Python script on this machine as the processes of one
 ``jax.distributed`` job: picks a free port on 127.0.0.1 for the coordinator,
 gives each process ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
-``JAXCOMM_PROCESS_ID`` (read by :func:`jaxcomm.distributed.initialize`), and
-with ``--devices-per-process`` forces that many CPU devices per process
-through ``XLA_FLAGS``. Each output line comes back prefixed with
+``JAXCOMM_PROCESS_ID`` (read by :func:`jaxcomm.distributed.initialize`, which
+then binds rank 0's coordination service to 127.0.0.1 only), and with
+``--devices-per-process`` forces that many CPU devices per process through
+``XLA_FLAGS``. Each output line comes back prefixed with
 ``[rank k]``.
 
 If a process exits non-zero or dies by a signal, the others are sent SIGTERM,

@@ -8,9 +8,12 @@ disagree on their settings or on the collectives their programs issue."""
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 
 from jaxcomm import distributed, launch
+from jaxcomm.distributed import agreement, network
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "multihost" / "train.py"
@@ -234,8 +238,6 @@ def test_exit_codes_propagate(tmp_path):
 
 
 def test_free_port_can_be_bound():
-    import socket
-
     port = launch.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
@@ -438,15 +440,15 @@ def test_check_same_settings_names_a_process_that_never_calls_it(tmp_path):
 
 
 def test_settings_differences_in_one_process():
-    differences = distributed._differences(
+    differences = agreement._differences(
         {0: {"a": "1", "b": "2"}, 1: {"a": "1", "b": "3"}, 2: {"a": "1"}}
     )
     assert differences == "  b: 2 on process 0; 3 on process 1; <not set> on process 2"
-    assert distributed._differences({0: {"a": "1"}, 1: {"a": "1"}}) is None
-    many = distributed._differences({p: {"k": str(p % 2)} for p in range(20)})
+    assert agreement._differences({0: {"a": "1"}, 1: {"a": "1"}}) is None
+    many = agreement._differences({p: {"k": str(p % 2)} for p in range(20)})
     assert "0 on processes 0, 2, 4, 6, 8, 10, 12, 14, ... (10 in all)" in many
     # Dicts and sets compare by content, not by insertion or hash order.
-    canonical = distributed._canonical
+    canonical = agreement._canonical
     assert canonical({"b": 1, "a": {2, 1}}) == canonical({"a": {1, 2}, "b": 1})
     assert canonical((1, [2])) != canonical([1, (2,)])
     distributed.check_same_settings({"lr": 0.1, "dtype": np.dtype("float16")})
@@ -614,3 +616,219 @@ def test_hierarchical_mesh_in_one_process():
     for nodes in (3, 16, 0):
         with pytest.raises(ValueError, match="does not fit 1 processes of 8 devices"):
             distributed.hierarchical_mesh(nodes=nodes)
+
+
+# Where a job's sockets listen: gloo on the interface it is given, the
+# coordination service no wider than the coordinator address needs.
+
+
+def _listening(path: str, port: int | None = None) -> list[tuple[str, int, str]]:
+    """(address, port, inode) of the sockets listening in /proc/net/tcp or tcp6."""
+    rows = []
+    for line in Path(path).read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] != "0A":  # TCP_LISTEN
+            continue
+        hex_address, hex_port = fields[1].split(":")
+        # Each 32-bit word is in host (little-endian) order.
+        raw = b"".join(bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, 32, 8))
+        address = ipaddress.ip_address(raw[: len(hex_address) // 2])
+        if address.version == 6 and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        if port is None or int(hex_port, 16) == port:
+            rows.append((str(address), int(hex_port, 16), fields[9]))
+    return rows
+
+
+GLOO_ENDPOINT = """
+    import json, os, jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxcomm.distributed as distributed
+    from tests.test_multihost import _listening
+
+    distributed.initialize(interface=os.environ.get("INTERFACE_ARGUMENT"))
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.make_array_from_callback((2,), NamedSharding(mesh, P("d")), lambda i: np.ones(2)[i])
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "d"), mesh=mesh, in_specs=P("d"),
+                                  out_specs=P()))
+    print("sum", float(total(x)[0]), flush=True)
+    own = set()  # inodes of this process's sockets
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            continue
+        if target.startswith("socket:["):
+            own.add(target[len("socket:[") : -1])
+    coordinator_port = int(os.environ["JAXCOMM_COORDINATOR"].rsplit(":", 1)[1])
+    gloo = sorted({address for path in ("/proc/net/tcp", "/proc/net/tcp6")
+                   for address, port, inode in _listening(path)
+                   if inode in own and port != coordinator_port})
+    print("gloo listens on", json.dumps(gloo), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "env, address",
+    [
+        ({"JAXCOMM_SOCKET_IFNAME": "lo"}, "127.0.0.1"),
+        # The argument wins over the variable; an address works as a name does.
+        ({"JAXCOMM_SOCKET_IFNAME": "nope0", "INTERFACE_ARGUMENT": "127.0.0.2"}, "127.0.0.2"),
+    ],
+    ids=["interface-from-environment", "address-from-argument"],
+)
+def test_gloo_listens_on_the_interface_it_is_given(tmp_path, env, address):
+    """Without an interface gloo listens where this host's name resolves
+    (127.0.0.1 here), so only the 127.0.0.2 case tells the binding apart from
+    that default; the lo case shows an interface name end to end."""
+    script = _script(tmp_path, "gloo.py", GLOO_ENDPOINT)
+    codes = _finish(_start(tmp_path, script, PYTHONPATH=str(ROOT), **env))
+    for rank in (0, 1):
+        output = _log(tmp_path, rank)
+        assert codes[rank] == 0, output
+        assert "sum 2.0" in output, output
+        assert f'gloo listens on ["{address}"]' in output, output
+
+
+def test_an_interface_this_host_lacks_is_named(monkeypatch):
+    for name in ("JAXCOMM_NUM_PROCESSES", "JAXCOMM_PROCESS_ID", "JAXCOMM_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"interface='nope0': this host has no network interface"):
+        distributed.initialize(interface="nope0")
+    monkeypatch.setenv("JAXCOMM_SOCKET_IFNAME", "nope0")
+    with pytest.raises(ValueError, match=r"JAXCOMM_SOCKET_IFNAME='nope0': this host has no"):
+        distributed.initialize()
+    # 192.0.2.0/24 is reserved for documentation: no host of this test holds it.
+    with pytest.raises(ValueError, match=r"interface='192.0.2.250' is not an address of this"):
+        network.resolve_interface("192.0.2.250")
+    for empty in ("", " ", 3):
+        with pytest.raises(ValueError, match="must name a network interface"):
+            network.resolve_interface(empty)
+    assert network.resolve_interface("lo") == network.GlooEndpoint(interface="lo")
+    assert network.resolve_interface("::1") == network.GlooEndpoint(address="::1")
+    assert network.resolve_interface(environ={"JAXCOMM_SOCKET_IFNAME": ""}) is None
+
+
+WAIT_FOR_STOP = """
+    import os, sys, time, jax
+    import jaxcomm.distributed as distributed
+
+    distributed.initialize()
+    jax.devices()  # both processes have joined
+    print("ready", os.environ["JAXCOMM_COORDINATOR"], flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+"""
+
+
+def test_a_local_launch_binds_the_coordinator_to_loopback(tmp_path):
+    """JAX binds its coordination service, an unauthenticated key-value
+    store, on every interface by default; a local launch needs loopback only."""
+    script = _script(tmp_path, "wait.py", WAIT_FOR_STOP)
+    stop = tmp_path / "stop"
+    command = [sys.executable, "-m", "jaxcomm.launch", "-n", "2", "--devices-per-process", "1"]
+    env = dict(os.environ)
+    for chosen in ("JAXCOMM_COORDINATOR_BIND_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS"):
+        env.pop(chosen, None)
+    proc = subprocess.Popen(
+        [*command, script, str(stop)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[rank 0] ready "):
+                break
+        assert lines and lines[-1].startswith("[rank 0] ready 127.0.0.1:"), "".join(lines)
+        port = int(lines[-1].rsplit(":", 1)[1])
+        listening = {
+            address
+            for path in ("/proc/net/tcp", "/proc/net/tcp6")
+            for address, _, _ in _listening(path, port)
+        }
+        assert listening == {"127.0.0.1"}, listening
+        stop.touch()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + out
+    finally:
+        stop.touch()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_the_coordinator_binds_no_wider_than_its_address():
+    bind = network.resolve_bind_address
+    for coordinator in ("127.0.0.1:5", "127.0.0.2:5", "localhost:5", "[::1]:5"):
+        assert bind(coordinator, environ={}) == coordinator
+    # An address this host does not hold (behind NAT, say): every interface, as JAX does.
+    assert bind("192.0.2.250:5", environ={}) == "[::]:5"
+    # Given: the argument, then ours, then JAX's variable; the coordinator's port if none.
+    assert bind("head:5", "10.0.0.1", environ={}) == "10.0.0.1:5"
+    assert bind("head:5", "10.0.0.1:6", environ={}) == "10.0.0.1:6"
+    assert bind("head:5", "::", environ={}) == "[::]:5"
+    assert bind("head:5", "[fd00::1]", environ={}) == "[fd00::1]:5"
+    assert bind("head:5", "head", environ={}) == "head:5"
+    env = {"JAXCOMM_COORDINATOR_BIND_ADDRESS": "0.0.0.0", "JAX_COORDINATOR_BIND_ADDRESS": "h:7"}
+    assert bind("127.0.0.1:5", "10.0.0.1", environ=env) == "10.0.0.1:5"
+    assert bind("127.0.0.1:5", environ=env) == "0.0.0.0:5"
+    assert bind("127.0.0.1:5", environ={"JAX_COORDINATOR_BIND_ADDRESS": "h:7"}) == "h:7"
+    with pytest.raises(ValueError, match="coordinator_bind_address=''"):
+        bind("head:5", "", environ={})
+
+
+def test_a_host_name_that_resolves_to_loopback_here_binds_everywhere(monkeypatch):
+    """Debian's /etc/hosts maps a host's own name to 127.0.1.1, while the other
+    hosts resolve it to a network address: loopback would shut them out."""
+
+    def resolve(host, port, *args, **kwargs):
+        del port, args, kwargs
+        address = {"head": "127.0.1.1", "gone": "192.0.2.250"}[host]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 0))]
+
+    monkeypatch.setattr(network.socket, "getaddrinfo", resolve)
+    assert network.resolve_bind_address("head:5", environ={}) == "[::]:5"
+    assert network.resolve_bind_address("gone:5", environ={}) == "[::]:5"
+
+
+# The ffi collectives' NCCL ids, shared through the key-value store; a stand-in
+# for the CUDA module records what each process registers.
+SHARE_NCCL_IDS = """
+    import json, secrets
+    import jaxcomm.distributed as distributed
+    from jaxcomm.collectives import _ffi
+
+    distributed.initialize()
+    registered = []
+
+    class Nccl:
+        def nccl_unique_id(self):
+            return secrets.token_bytes(128)
+
+        def register_unique_id(self, op_id, group, raw):
+            registered.append([op_id, group, raw.hex()])
+
+    _ffi._cuda_extension = Nccl
+    _ffi._share_nccl_ids(7, 2)
+    _ffi._share_nccl_ids(8, 1)
+    print("registered", json.dumps(registered), flush=True)
+"""
+
+
+def test_nccl_ids_are_shared_by_process_0(tmp_path):
+    script = _script(tmp_path, "nccl.py", SHARE_NCCL_IDS)
+    codes = _finish(_start(tmp_path, script))
+    registered = []
+    for rank in (0, 1):
+        output = _log(tmp_path, rank)
+        assert codes[rank] == 0, output
+        [line] = [line for line in output.splitlines() if line.startswith("registered ")]
+        registered.append(json.loads(line.removeprefix("registered ")))
+    assert registered[0] == registered[1]
+    assert [entry[:2] for entry in registered[0]] == [[7, 0], [7, 1], [8, 0]]
+    assert len({entry[2] for entry in registered[0]}) == 3  # a fresh id per group and site

@@ -12,8 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm import distributed
-from jaxcomm.distributed import check_same_collectives, collective_sequence
+from jaxcomm.distributed import agreement, check_same_collectives, collective_sequence, hlo
 
 ALL8 = "replica_groups={{0,1,2,3,4,5,6,7}}"
 
@@ -138,7 +137,7 @@ def test_hlo_attributes_split_outside_brackets_and_strings():
         'channel_id=3, replica_groups={{0,1},{2,3}}, metadata={op_name="a, b={c}"}, '
         'custom_call_target="x\\", y", dimensions={0}'
     )
-    assert distributed._hlo_attributes(text) == {
+    assert hlo._attributes(text) == {
         "channel_id": "3",
         "replica_groups": "{{0,1},{2,3}}",
         "metadata": '{op_name="a, b={c}"}',
@@ -152,7 +151,7 @@ def test_hlo_attributes_split_outside_brackets_and_strings():
 def test_the_message_names_the_first_difference():
     a = [f"all-reduce(add) f32[{n}]" for n in (1, 2, 3, 4, 5, 6)]
     b = a[:4] + ["all-gather f32[9]"] + a[5:]
-    message = distributed._sequence_differences({(0, 2): a, (1,): b, (3,): a[:4]})
+    message = agreement._sequence_differences({(0, 2): a, (1,): b, (3,): a[:4]})
     assert message.splitlines()[:5] == [
         "  first difference at collective 4 (counting from 0):",
         "    all-reduce(add) f32[5] on processes 0, 2",
@@ -168,7 +167,7 @@ def test_the_message_names_the_first_difference():
     assert "  process 3, collectives 2-3:" in message
     # Replica groups of big meshes lose their middle, not their ends.
     long = "all-reduce(add) f32[8] replica_groups={{" + ",".join(map(str, range(4096))) + "}}"
-    shown = distributed._sequence_differences({(0,): [long], (1,): []})
+    shown = agreement._sequence_differences({(0,): [long], (1,): []})
     assert max(map(len, shown.splitlines())) < 300
     assert "all-reduce(add) f32[8] replica_groups={{0,1,2," in shown and "4094,4095}}" in shown
     assert "    nothing (it issues 0) on process 1" in shown

@@ -81,22 +81,23 @@ def _op_id(place: AxisPlacement) -> np.int64:
     return np.int64(op_id)
 
 
-def _share_nccl_ids(op_id: int, ngroups: int, timeout_ms: int = 300_000) -> None:
-    from jax._src.distributed import global_state  # the client jax.distributed set up
+def _share_nccl_ids(op_id: int, ngroups: int, timeout_s: float = 300) -> None:
+    """Process 0 makes one NCCL unique id per group of call site ``op_id`` and
+    publishes it; every process registers the same ids with the handler."""
+    from jaxcomm.distributed.exchange import Exchange
 
-    client = global_state.client
-    if client is None:
+    exchange = Exchange.open(f"nccl/{op_id}", timeout_s)
+    if exchange is None:
         raise RuntimeError(
             "backend='ffi' on several GPU processes needs jax.distributed.initialize"
         )
     cuda = _cuda_extension()
     for group in range(ngroups):
-        key = f"jaxcomm/nccl/{op_id}/{group}"
-        if jax.process_index() == 0:
+        if exchange.process_id == 0:
             raw = cuda.nccl_unique_id()
-            client.key_value_set(key, raw.hex())
+            exchange.publish(str(group), raw.hex())
         else:
-            raw = bytes.fromhex(client.blocking_key_value_get(key, timeout_ms))
+            raw = bytes.fromhex(exchange.read(str(group)))
         cuda.register_unique_id(op_id, group, raw)
 
 
