@@ -1,16 +1,16 @@
 """Helpers shared by the collective benchmarks in ``bench/``.
 
 Nothing here imports jax: a benchmark must set ``XLA_FLAGS`` before jax is
-imported, and importing this module first must not get in the way.
+imported, and importing this module first must not get in the way. Timing
+itself is ``jaxcomm.costmodel.time_call`` / ``time_rounds``, shared with the
+cost model's own measurements.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,26 +60,11 @@ def bus_factor_allreduce(n: int) -> float:
     return 2 * (n - 1) / n
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def reps_for(seconds_per_round: float, target_s: float, lo: int = 3, hi: int = 1000) -> int:
     """Repetitions so that timing takes about ``target_s``, clamped to ``[lo, hi]``."""
     if seconds_per_round <= 0:
         return hi
     return max(lo, min(hi, int(target_s / seconds_per_round)))
-
-
-def time_call(fn: Callable[[], object], block: Callable[[object], object]) -> float:
-    """Wall time of one ``fn()`` including waiting for its result; the result
-    is dropped before returning so its buffers can be freed."""
-    t0 = time.perf_counter()
-    out = fn()
-    block(out)
-    elapsed = time.perf_counter() - t0
-    del out
-    return elapsed
 
 
 def copy_bandwidth(

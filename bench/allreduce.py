@@ -22,8 +22,8 @@ Method, per size:
   it) is compared on every device against a float64 numpy reference,
   ``x.reshape(8, -1).sum(0)``. Any mismatch ends the run with exit status 1.
 * Warm-up: two more calls of every implementation.
-* Timing: ``time.perf_counter()`` around one call plus
-  ``jax.block_until_ready`` on its result. Only one call is ever in flight
+* Timing: ``jaxcomm.costmodel.time_rounds``: ``time.perf_counter()`` around
+  one call plus ``jax.block_until_ready`` on its result. Only one call is ever in flight
   (XLA's CPU collectives can abort when several steps overlap). The
   implementations are interleaved, in a rotating order, so that slow drift of
   the machine affects them alike. Repetitions are chosen from the warm-up
@@ -103,6 +103,7 @@ import functools
 import gc
 import json
 import resource
+import statistics
 import sys
 import time
 
@@ -112,17 +113,16 @@ from _common import (
     bus_factor_allreduce,
     copy_bandwidth,
     format_size,
-    median,
     parse_size,
     parse_sizes,
     power_of_4_sizes,
     reps_for,
-    time_call,
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm.costmodel import time_call, time_rounds
 
 N = 8
 AXIS = "i"
@@ -257,22 +257,20 @@ def bench_size(
         out = jax.block_until_ready(calls[impl]())
         reference.check(impl, out, size)
         del out
-        time_call(calls[impl], jax.block_until_ready)
+        time_call(calls[impl])
         before = minor_faults()
-        round_s += time_call(calls[impl], jax.block_until_ready)
+        round_s += time_call(calls[impl])
         faults[impl] = minor_faults() - before
     del reference
 
     reps = reps_for(round_s, reps_time, lo=min_reps)
-    times = {impl: [] for impl in TIMED}
-    for r in range(reps):
-        for k in range(len(TIMED)):
-            impl = TIMED[(r + k) % len(TIMED)]  # rotate who goes first
-            times[impl].append(time_call(calls[impl], jax.block_until_ready))
+    # Interleaved, the order rotated each round; warmed up above.
+    samples = time_rounds([calls[impl] for impl in TIMED], reps=reps, warmup=0)
+    times = dict(zip(TIMED, samples, strict=True))
     del calls, x
     gc.collect()
     return SizeResult(
-        times={impl: median(ts) for impl, ts in times.items()},
+        times={impl: statistics.median(ts) for impl, ts in times.items()},
         reps=reps,
         spread={impl: max(ts) / min(ts) for impl, ts in times.items()},
         faults=faults,

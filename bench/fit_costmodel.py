@@ -136,7 +136,7 @@ def write_plot(path: pathlib.Path, results: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES, help="e.g. 4K,1M,16M")
-    parser.add_argument("--reps", type=int, default=20, help="timed calls per size (median)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per size")
     parser.add_argument(
         "--statistic",
         choices=("min", "median"),

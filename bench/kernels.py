@@ -18,7 +18,10 @@ Kernels (one GPU, ``--size`` bytes of float32 input, default 256 MiB):
   norms_bf16    per-chunk L1 norms of bfloat16
 
 Bandwidth = bytes the kernel must read plus write, over the median time of
-one call; ``ratio`` = bandwidth / copy bandwidth (target: at least 0.8).
+one call (``jaxcomm.costmodel.time_rounds``: each call waited for before the
+next, so the time includes one dispatch, as a training step sees it; two
+warm-up calls after the checked one); ``ratio`` = bandwidth / copy bandwidth
+(target: at least 0.8).
 Every kernel's output is checked against NumPy on the same buffers it is
 timed on; a mismatch exits with status 1.
 
@@ -38,9 +41,10 @@ Usage: python bench/kernels.py [--size 256M] [--reps 50] [--json]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -51,26 +55,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import _ffi
 from jaxcomm.collectives._axes import placement
+from jaxcomm.costmodel import time_rounds
 
 CHUNK = 32768
 
 
 def _time(fn, args, reps: int) -> float:
-    """Median seconds per call over `reps` calls, after two warm-up calls.
-
-    Calls are timed in groups of 5 dispatched back to back (async dispatch
-    keeps the GPU busy), so launch overhead is not counted per call."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(max(1, reps // 5)):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(5):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / 5)
-    return float(np.median(samples))
+    """Median seconds of one call, waited for, over `reps` calls after two warm-ups
+    (the call that was checked compiled it)."""
+    (samples,) = time_rounds([functools.partial(fn, *args)], reps=reps, warmup=2)
+    return statistics.median(samples)
 
 
 def _ffi_kernel(name, out, **attrs):

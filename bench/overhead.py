@@ -28,7 +28,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
@@ -38,7 +37,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm.costmodel import profiles  # noqa: E402
+from jaxcomm.costmodel import profiles, time_rounds  # noqa: E402
 
 LR = 1e-3
 
@@ -134,23 +133,24 @@ def measure(model: str, names: list[str], rounds: int, progress) -> dict[str, li
         params, state = jax.block_until_ready(step(jax.tree.map(jnp.copy, params0), state, grads))
         return [step, params, state]
 
-    def once(run):
-        step, params, state = run
-        t0 = time.perf_counter()
-        run[1:] = jax.block_until_ready(step(params, state, grads))
-        return time.perf_counter() - t0
+    def advance(run):
+        """One step of `run`, whose params and state then carry on from its result."""
+
+        def call():
+            step, params, state = run
+            run[1:] = step(params, state, grads)
+            return run[1:]
+
+        return call
 
     baseline = build(names[0])
     times = {}
     for name in names[1:]:
         progress(f"{model}: {name}")
         run = build(name)
-        pairs = []
-        for r in range(rounds):  # alternate which goes first
-            first, second = (baseline, run) if r % 2 == 0 else (run, baseline)
-            a, b = once(first), once(second)
-            pairs.append((a, b) if r % 2 == 0 else (b, a))
-        times[name] = ([p[1] for p in pairs], [p[0] for p in pairs])
+        # Two functions in rotated rounds: baseline and run alternate going first.
+        base, own = time_rounds([advance(baseline), advance(run)], reps=rounds, warmup=0)
+        times[name] = (own, base)
         del run
     return times
 

@@ -2,7 +2,9 @@
 
 Nothing here runs on a GPU: the step of every configuration is simulated with
 ``jaxcomm.costmodel.simulate`` on model profiles derived from the Flax
-definitions in ``jaxcomm.costmodel.profiles``. The inputs are issue 6's:
+definitions in ``jaxcomm.costmodel.profiles``. The inputs are those of
+the GradientFlow paper's evaluation (scenario 1) and of a commodity Ethernet
+cluster (scenario 2):
 
 Scenario 1 (``--json PATH``): clusters of nodes of 8 GPUs on two PCIe switches
 of 4, 56 Gbps InfiniBand between nodes (``pcie_infiniband``): ``pascal128``
@@ -22,8 +24,8 @@ models ``alexnet``, ``resnet50`` and clusters ``pascal128``, ``volta512``.
 
 Scenario 2 (written to ``<PATH stem>_ethernet.json``): 1 to 4 nodes of 8 V100
 (NVLink inside a node) on 25 Gbps Ethernet (``nvlink_ethernet``), ResNet-50 at
-batch 64 per GPU, FP32 compute at Volta's 301 images/s (issue 6's number at
-batch 128, assumed to hold at 64). As in ChainerMN all gradients go in one
+batch 64 per GPU, FP32 compute at Volta's 301 images/s (GradientFlow's
+number at batch 128, assumed to hold at 64). As in ChainerMN all gradients go in one
 packed allreduce after backward (θ = inf, flat ring), configurations ``fp32``,
 ``fp16`` (FP16 wire), ``fp32+db`` and ``fp16+db`` (double buffering). Layout:
 ``{"resnet50": {gpus: {configuration: {"images_per_second", "scaling_efficiency"}}}}``
@@ -61,7 +63,7 @@ CSC_DENSITY = 0.15
 THETAS = (0.0, *(float(1 << k) for k in range(16, 29)), math.inf)  # 0, 64 KiB .. 256 MiB, inf
 PROFILES = {"alexnet": alexnet_bn, "resnet50": resnet50}
 CLUSTER_NODES = {"pascal128": 16, "volta512": 64}
-# One-GPU images/s (FP32, mixed precision), issue 6.
+# One-GPU images/s (FP32, mixed precision), as in the GradientFlow paper.
 ONE_GPU = {
     "pascal128": {"alexnet": (1700.0, 1900.0), "resnet50": (172.0, 223.0)},
     "volta512": {"alexnet": (2900.0, 3700.0), "resnet50": (301.0, 621.0)},
@@ -75,7 +77,7 @@ CONFIGS = {  # name: (mixed precision, overlap, lazy allreduce, density)
 }
 
 ETHERNET_BATCH = 64
-ETHERNET_ONE_GPU = 301.0  # V100 ResNet-50 FP32 images/s (issue 6, at batch 128)
+ETHERNET_ONE_GPU = 301.0  # V100 ResNet-50 FP32 images/s (GradientFlow's, at batch 128)
 ETHERNET_NODES = (1, 2, 3, 4)
 ETHERNET_CONFIGS = {  # name: (wire dtype, double buffering)
     "fp32": ("float32", False),

@@ -11,9 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reference
-from util import assert_replicated, mesh_of, run_pmap, run_sharded
 
 import jaxcomm
+from tests.harness import assert_same_on_all_devices as assert_replicated
+from tests.harness import mesh_of, run_pmap, run_sharded
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INPUT_DTYPES = [np.float32, np.float16, BF16, np.float64]

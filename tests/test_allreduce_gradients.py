@@ -14,14 +14,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from tests.reference import direct_float32, error_bound
-from tests.transform_harness import (
+from tests.harness import (
     assert_same_on_all_devices,
+    mesh_of,
     optax_on_mean,
     random_grads,
     run_steps,
 )
-from tests.util import mesh_of
+from tests.reference import direct_float32, error_bound
 
 STEPS = 20
 # Leaves of mixed sizes, including a scalar, a size not divisible by 8, and

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from transform_harness import run_steps
-from util import mesh_of, run_sharded
 
 import jaxcomm
 from jaxcomm.collectives import _ffi
+from tests.harness import mesh_of, run_sharded, run_steps
 
 # What the messages list as allowed.
 INPUT_DTYPES = "jaxcomm collectives take float32, float16, bfloat16, float64"

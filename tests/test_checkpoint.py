@@ -25,8 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from tests.transform_harness import random_grads, run_steps
-from tests.util import mesh_of
+from tests.harness import mesh_of, random_grads, run_steps
 
 STEPS, STOP = 20, 10
 SHAPES = {"a_bias": (5,), "b_kernel": (33, 17), "c_scalar": (), "d_odd": (301,)}
@@ -150,7 +149,7 @@ def _setup(name):
 
 
 def _resume_steps(tx, params_rows, state_rows, grads_seq, mesh):
-    """The loop of transform_harness.run_steps, started from a given params
+    """The loop of harness.run_steps, started from a given params
     and state (one row per device, as run_steps returns them)."""
     spec = P(tuple(mesh.axis_names))
     put = lambda tree: jax.tree.map(  # noqa: E731

@@ -12,8 +12,7 @@ import optax
 import pytest
 
 import jaxcomm
-from tests.transform_harness import assert_same_on_all_devices, random_grads, run_steps
-from tests.util import mesh_of
+from tests.harness import assert_same_on_all_devices, mesh_of, random_grads, run_steps
 
 N = 8
 SHAPES = {"a": (70,), "b": (13, 11)}  # pool = [b, a] (reverse tree order), 213 elements

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from tests.util import mesh_of
+from tests.harness import mesh_of
 
 
 def test_many_independent_collectives_in_one_step():

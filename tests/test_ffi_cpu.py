@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from util import mesh_of, run_sharded
 
 import jaxcomm
 from jaxcomm import _ffi as ext
+from tests.harness import mesh_of, run_sharded
 
 RING, HIERARCHICAL, DIRECT = 0, 1, 2
 F32 = 0

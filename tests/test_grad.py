@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from util import mesh_of, run_pmap
 
 import jaxcomm
+from tests.harness import mesh_of, run_pmap
 
 
 def _grad_fn(reduce):

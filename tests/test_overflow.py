@@ -1,7 +1,7 @@
 """Float16 wire overflow: a prescale plus a saturating wire, or a prescale with headroom where
 XLA adds in float16, keeps finite gradients finite.
 
-Issue 7 asks that FP16 wire casting never turn finite gradients into inf for
+The requirement: FP16 wire casting must never turn finite gradients into inf for
 any N up to 1024 while |g| <= M = 65504, the float16 maximum. Float16 rounds
 v to inf iff |v| >= 65520 = M + 16 (half an ulp above M; the tie goes to the
 even neighbour, 2^16).
@@ -50,11 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from transform_harness import run_steps
-from util import assert_replicated, mesh_of, run_sharded
 
 import jaxcomm
 from jaxcomm.collectives import _xla
+from tests.harness import assert_same_on_all_devices as assert_replicated
+from tests.harness import mesh_of, run_sharded, run_steps
 
 F16, F32 = np.float16, np.float32
 M = float(np.finfo(F16).max)  # 65504
@@ -248,7 +248,7 @@ def _overflowing(values: np.ndarray, ns=NS) -> list:
 @pytest.mark.parametrize("g", [M, BELOW_M, BELOW_M_F32])
 @pytest.mark.parametrize("schedule", sorted(SWEEPS))
 def test_float16_mean_never_overflows_up_to_1024(schedule, g):
-    """Issue 7's claim, for every N in 2..1024 at the worst case; and the
+    """The no-overflow requirement, for every N in 2..1024 at the worst case; and the
     result is the float64 mean within the float16 bound (the clamp removes
     rounding excess only)."""
     values = SWEEPS[schedule][0](g)

@@ -23,9 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.replicas import check_replicas, check_replicas_host
+from tests.harness import mesh_of, run_steps
 from tests.reference import EPS, error_bound
-from tests.transform_harness import run_steps
-from tests.util import mesh_of
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), BF16, np.dtype(np.float16)]

@@ -6,9 +6,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reference
-from util import assert_replicated, mesh_of, run_sharded
 
 import jaxcomm
+from tests.harness import assert_same_on_all_devices as assert_replicated
+from tests.harness import mesh_of, run_sharded
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

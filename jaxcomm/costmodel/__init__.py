@@ -9,6 +9,8 @@
   (imported on first use: flax is an optional dependency).
 * :func:`fit_alpha_beta`, :func:`measure_allreduce`, :func:`fit_cluster`: fit α and β
   to allreduce times measured on the live mesh.
+* :func:`time_call`, :func:`time_rounds`: the timing loop behind those measurements
+  and the benchmarks (one call in flight, interleaved rounds).
 * :func:`plan`: recommends bucket size, algorithm and wire dtype with the predicted
   gain of each.
 """
@@ -22,6 +24,7 @@ from jaxcomm.costmodel.cluster import Cluster, cpu_host, nvlink_ethernet, pcie_i
 from jaxcomm.costmodel.fit import LinkFit, fit_alpha_beta, fit_cluster, measure_allreduce
 from jaxcomm.costmodel.plan import Plan, plan
 from jaxcomm.costmodel.simulator import GradientTensor, Result, Settings, Workload, simulate
+from jaxcomm.costmodel.timing import time_call, time_rounds
 
 _PROFILE_NAMES = ("ModelProfile", "alexnet_bn", "resnet50")
 
@@ -56,5 +59,7 @@ __all__ = [
     "resnet50",
     "ring_allreduce_time",
     "simulate",
+    "time_call",
+    "time_rounds",
     "tree_allreduce_time",
 ]

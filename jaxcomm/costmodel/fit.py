@@ -20,14 +20,15 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxcomm.costmodel.alphabeta import check_ranks, ring_allreduce_time
 from jaxcomm.costmodel.cluster import Cluster, cpu_host
+from jaxcomm.costmodel.timing import time_rounds
 
 AXIS = "costmodel_fit"
 
@@ -104,8 +105,9 @@ def measure_allreduce(
     ``jax.devices()``. The sizes are timed in interleaved rounds (one call of
     every size per round, the order rotated each round), so that a passing
     burst of other work on the machine disturbs all sizes alike rather than
-    one. Every call is waited for (``block_until_ready``) before the next
-    starts: only one step is ever in flight, which XLA's CPU collectives require.
+    one. Every call is waited for before the next starts: only one step is ever
+    in flight, which XLA's CPU collectives require (see
+    :func:`~jaxcomm.costmodel.time_rounds`, which times them).
 
     Args:
       nbytes: message size per device, a multiple of 4 bytes.
@@ -122,8 +124,6 @@ def measure_allreduce(
 
     import jaxcomm
 
-    if reps < 1:
-        raise ValueError(f"reps={reps} must be >= 1")
     reduce = {"median": statistics.median, "min": min}.get(statistic)
     if reduce is None:
         raise ValueError(f"statistic={statistic!r} must be 'median' or 'min'")
@@ -144,15 +144,8 @@ def measure_allreduce(
     inputs = [
         jax.device_put(np.ones(len(devices) * (size // 4), np.float32), sharding) for size in nbytes
     ]
-    samples: list[list[float]] = [[] for _ in inputs]
-    for round_ in range(warmup + 1 + reps):
-        # Rotate the order each round, so no size is always the one after the largest.
-        for k in range(len(inputs)):
-            i = (k + round_) % len(inputs)
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(inputs[i]))
-            if round_ > warmup:  # round 0 compiles
-                samples[i].append(time.perf_counter() - t0)
+    calls = [functools.partial(fn, x) for x in inputs]
+    samples = time_rounds(calls, reps=reps, warmup=warmup + 1)  # the first round compiles
     return [reduce(times) for times in samples]
 
 

@@ -1,0 +1,133 @@
+"""Running code on the 8 CPU devices and checking what each device holds.
+
+Two levels: a per-device function on a mesh (``run_sharded``, ``run_pmap``),
+and an optax transformation for several steps (``run_steps``, against the
+``optax_on_mean`` reference). Every array carries one leading row per device,
+so that per-device differences show; ``assert_same_on_all_devices`` checks the
+rows bitwise. Each step is waited for: XLA's CPU collectives must not have two
+steps in flight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def mesh_of(shape: tuple, names: tuple):
+    """A mesh of the first prod(shape) devices."""
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, devices=jax.devices()[:n])
+
+
+def _rows(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _unrow(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _put_rows(tree, mesh):
+    """Places every array's leading axis (one row per device) over all of `mesh`."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sharding), tree)
+
+
+def _sharded(fn, mesh, *, jit: bool = True, check_vma: bool = True):
+    """`fn` over blocks of one row per device, under shard_map on `mesh`."""
+    spec = P(tuple(mesh.axis_names))
+    f = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=check_vma)
+    return jax.jit(f) if jit else f
+
+
+def _to_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def run_sharded(fn, mesh, *per_device, jit: bool = True):
+    """Runs fn(*rows) on every device of `mesh`; each array in `per_device`
+    has one leading row per device (in linear mesh order). Returns numpy
+    arrays with one leading row per device."""
+
+    def body(*blocks):
+        return _rows(fn(*_unrow(blocks)))
+
+    f = _sharded(body, mesh, jit=jit)
+    args = _put_rows([jnp.asarray(a) for a in per_device], mesh)
+    return _to_numpy(jax.block_until_ready(f(*args)))
+
+
+def run_pmap(fn, n: int, *per_device, axis_name="i"):
+    """fn under jax.pmap on the first `n` devices; numpy results, one row per device."""
+    f = jax.pmap(fn, axis_name=axis_name, devices=jax.devices()[:n])
+    return _to_numpy(jax.block_until_ready(f(*per_device)))
+
+
+def random_grads(rng, shapes: dict, n_devices: int, steps: int, scale=1.0) -> list:
+    """steps x {name: float32 array of shape (n_devices, *shape)}."""
+    return [
+        {
+            k: (scale * rng.standard_normal((n_devices, *s))).astype(np.float32)
+            for k, s in shapes.items()
+        }
+        for _ in range(steps)
+    ]
+
+
+def run_steps(tx, params, grads_seq, mesh, *, check_vma: bool = True):
+    """Runs `tx` for len(grads_seq) steps on every device of `mesh`.
+
+    Every array carries one leading row per device (state and params too, so
+    that per-device differences would show), so all of them are typed as
+    varying; check_vma=False lifts that for transforms (like
+    optax.apply_if_finite) that need replicated types.
+
+    Returns:
+      (updates per step, final params, final state), as NumPy arrays with a
+      leading device axis.
+    """
+    n = mesh.size
+
+    def init(p):
+        return _rows(tx.init(_unrow(p)))
+
+    def step(p, state, g):
+        p, state, g = _unrow(p), _unrow(state), _unrow(g)
+        updates, state = tx.update(g, state, p)
+        return _rows(optax.apply_updates(p, updates)), _rows(state), _rows(updates)
+
+    p = _put_rows(jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), params), mesh)
+    state = jax.block_until_ready(_sharded(init, mesh, check_vma=check_vma)(p))
+    run = _sharded(step, mesh, check_vma=check_vma)
+    updates = []
+    for g in grads_seq:
+        p, state, u = jax.block_until_ready(run(p, state, _put_rows(g, mesh)))
+        updates.append(_to_numpy(u))
+    return updates, _to_numpy(p), _to_numpy(state)
+
+
+def optax_on_mean(tx, params, grads_seq):
+    """The reference: plain optax on one device, fed the float64 mean of the
+    per-device gradients (cast to float32)."""
+    state = tx.init(params)
+    p = params
+    for g in grads_seq:
+        mean = {k: v.astype(np.float64).mean(0).astype(np.float32) for k, v in g.items()}
+        u, state = tx.update(mean, state, p)
+        p = optax.apply_updates(p, u)
+    return _to_numpy(p), state
+
+
+def assert_same_on_all_devices(tree, what: str = "result"):
+    """Every leaf's rows (one per device) are bitwise equal; a leaf may be one array."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        x = np.ascontiguousarray(x)
+        for d in range(1, x.shape[0]):
+            assert x[d].tobytes() == x[0].tobytes(), (
+                f"{what}{jax.tree_util.keystr(path)} differs between device 0 and {d}"
+            )
