@@ -7,18 +7,6 @@
 
 namespace jaxcomm::cuda {
 
-Status Allocate(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
-  *out = nullptr;
-  if (bytes == 0) return Status::Ok();
-  std::optional<void*> p = scratch.Allocate(bytes, 256);
-  if (!p.has_value()) {
-    return Status(Code::kInternal,
-                  "jaxcomm: could not allocate " + std::to_string(bytes) + " bytes of scratch");
-  }
-  *out = *p;
-  return Status::Ok();
-}
-
 Status RunCollective(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
                      int nranks, const std::function<Status(RankComms&, CudaKernels&)>& body) {
   ScopedDevice scoped(device);
@@ -50,9 +38,9 @@ bool NcclAddsInAccumulator(const ReduceSpec& spec, ncclDataType_t* type) {
 
 }  // namespace
 
-Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream,
-                        ffi::ScratchAllocator& scratch, Algorithm algorithm, int intra_size,
-                        const ReduceSpec& spec, const void* in, void* out, size_t n) {
+Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream, Scratch& scratch,
+                        Algorithm algorithm, int intra_size, const ReduceSpec& spec, const void* in,
+                        void* out, size_t n) {
   ncclDataType_t type;
   if (algorithm == Algorithm::kDirect && NcclAddsInAccumulator(spec, &type)) {
     if (n > 0) {
@@ -72,12 +60,12 @@ Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream,
     const int L = intra_size;
     NcclTransport intra(rc, split.intra, rc.rank % L, L, stream);
     NcclTransport inter(rc, split.inter, rc.rank / L, rc.size / L, stream);
-    JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, L), &block));
+    JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, L), &block));
     return HierarchicalAllReduce(intra, inter, k, spec, in, out, n, block);
   }
   // kRing, and kDirect with a wire cast or a 16-bit input.
   NcclTransport flat(rc, rc.flat, rc.rank, rc.size, stream);
-  JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, rc.size), &block));
+  JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, rc.size), &block));
   return RingAllReduce(flat, k, spec, in, out, n, block);
 }
 
