@@ -240,6 +240,29 @@ def test_bad_algorithm_code_is_an_error_not_a_crash():
         jax.block_until_ready(jax.jit(fn)(x))
 
 
+def test_allreduce_output_unlike_input_is_an_error():
+    x = jnp.ones(8, jnp.float32)
+
+    def fn(v):
+        call = jax.ffi.ffi_call("jaxcomm_allreduce", jax.ShapeDtypeStruct((4,), jnp.float16))
+        return call(
+            v,
+            jnp.zeros(2, jnp.int32),
+            jnp.zeros((0,), jnp.bool_),
+            op_id=np.int64(10**12 + 1),
+            algorithm=np.int32(2),
+            nranks=np.int32(1),
+            intra_size=np.int32(1),
+            wire_dtype=np.int32(-1),
+            prescale=np.float64(1),
+            postscale=np.float64(1),
+            chunk_size=np.int64(1),
+        )
+
+    with pytest.raises(Exception, match="output must have x's dtype and size"):
+        jax.block_until_ready(jax.jit(fn)(x))
+
+
 # --- several GPUs, where the machine has them -------------------------------
 
 

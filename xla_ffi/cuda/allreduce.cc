@@ -51,6 +51,9 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::Context ctx, 
     return ffi::Error::InvalidArgument("jaxcomm allreduce: unknown algorithm code " +
                                        std::to_string(algorithm));
   }
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("jaxcomm allreduce: output must have x's dtype and size");
+  }
   const size_t n = x.element_count();
   const size_t isz = SizeOf(spec.input);
   const bool masked = mask.element_count() > 0;
