@@ -45,6 +45,26 @@ void AbortLocked(RankComms& rc, const std::string& why) {
   rc.flat = nullptr;
 }
 
+std::string VersionString(int code) {
+  return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." +
+         std::to_string(code % 100);
+}
+
+// The libnccl.so.2 found at run time must be at least as new (major.minor)
+// as the headers this module was compiled with: an older one lacks calls and
+// config fields used here, and would fail far from the cause.
+Status CheckNcclVersion() {
+  int runtime = 0;
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclGetVersion(&runtime), nullptr);
+  if (runtime / 100 < NCCL_VERSION_CODE / 100) {
+    return Status(Code::kInternal, "jaxcomm: built against NCCL " +
+                                       VersionString(NCCL_VERSION_CODE) +
+                                       " but the loaded libnccl.so.2 is " + VersionString(runtime) +
+                                       "; install a matching nvidia-nccl-cu13 or rebuild jaxcomm");
+  }
+  return Status::Ok();
+}
+
 // The ranks of one group meeting for the first call of a site, in one process.
 struct Pending {
   std::vector<int> devices;  // by rank; -1 = not arrived
@@ -106,6 +126,8 @@ class Registry {
 
 Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
   std::lock_guard<std::mutex> lock(rc.mu);
+  static const Status version = CheckNcclVersion();
+  JAXCOMM_RETURN_IF_ERROR(version);
   ScopedDevice scoped(rc.device);
   JAXCOMM_RETURN_IF_ERROR(scoped.status());
   ncclConfig_t config = NonBlockingConfig();
