@@ -25,6 +25,9 @@ Clock::time_point Deadline() {
                             std::chrono::duration<double>(TimeoutSeconds()));
 }
 
+// NCCL's set-up job stores the handle from its own thread.
+ncclComm_t LoadHandle(const ncclComm_t& slot) { return __atomic_load_n(&slot, __ATOMIC_ACQUIRE); }
+
 ncclConfig_t NonBlockingConfig() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -131,12 +134,13 @@ Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
   ScopedDevice scoped(rc.device);
   JAXCOMM_RETURN_IF_ERROR(scoped.status());
   ncclConfig_t config = NonBlockingConfig();
-  ncclComm_t comm = nullptr;
-  Status st = FromNccl(ncclCommInitRankConfig(&comm, rc.size, id, rc.rank, &config),
+  ncclComm_t& slot = rc.handle_slots.emplace_back(nullptr);
+  Status st = FromNccl(ncclCommInitRankConfig(&slot, rc.size, id, rc.rank, &config),
                        "ncclCommInitRankConfig");
   if (st.ok()) {
-    rc.flat = comm;
-    st = Await(rc, comm, "ncclCommInitRankConfig");
+    // Set before the call returns; the job stores the same handle again at its end.
+    rc.flat = LoadHandle(slot);
+    st = Await(rc, rc.flat, "ncclCommInitRankConfig");
   }
   if (!st.ok() && rc.failure.empty()) rc.failure = st.message();
   return st;
@@ -293,6 +297,28 @@ Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, i
   return registry.Join(op_id, device, host[0], host[1], nranks, out);
 }
 
+namespace {
+
+// One ncclCommSplit of rc.flat. The new handle is only stored when NCCL's
+// set-up job ends, which the wait on the parent covers.
+Status SplitOne(RankComms& rc, int color, int key, const char* what, ncclComm_t* out) {
+  ncclConfig_t config = NonBlockingConfig();
+  ncclComm_t& slot = rc.handle_slots.emplace_back(nullptr);
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, color, key, &slot, &config), rc.flat);
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, what));
+  const ncclComm_t comm = LoadHandle(slot);
+  if (comm == nullptr) {
+    const std::string msg = std::string("jaxcomm: ") + what + " gave no communicator";
+    AbortLocked(rc, msg);
+    return Status(Code::kInternal, msg);
+  }
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, comm, what));
+  *out = comm;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out) {
   if (auto it = rc.splits.find(intra_size); it != rc.splits.end()) {
     *out = it->second;
@@ -306,14 +332,8 @@ Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out) {
   }
   const int node = rc.rank / intra_size, local = rc.rank % intra_size;
   RankComms::Split split;
-  ncclConfig_t config = NonBlockingConfig();
-  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, node, local, &split.intra, &config), rc.flat);
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (intra)"));
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.intra, "ncclCommSplit (intra)"));
-  config = NonBlockingConfig();
-  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, local, node, &split.inter, &config), rc.flat);
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (inter)"));
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.inter, "ncclCommSplit (inter)"));
+  JAXCOMM_RETURN_IF_ERROR(SplitOne(rc, node, local, "ncclCommSplit (intra)", &split.intra));
+  JAXCOMM_RETURN_IF_ERROR(SplitOne(rc, local, node, "ncclCommSplit (inter)", &split.inter));
   rc.splits[intra_size] = *out = split;
   return Status::Ok();
 }

@@ -19,6 +19,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -43,6 +44,10 @@ struct RankComms {
   int size = 0;
   ncclComm_t flat = nullptr;
   std::map<int, Split> splits;  // by ranks per node
+  // Where NCCL stores the handle of a communicator it creates: its set-up
+  // job writes it when it finishes, which may be after we stopped waiting
+  // (timeout), so the slot must outlive the call. std::list: addresses stay.
+  std::list<ncclComm_t> handle_slots;
   std::mutex mu;
   std::string failure;  // set when aborted: every later call returns it
 };
