@@ -233,6 +233,10 @@ void Registry::WatchdogLoop() {
       const Clock::time_point now = Clock::now();
       // An event still pending past its deadline means a peer never joined.
       for (auto it = watched_.begin(); it != watched_.end();) {
+        // CUDA allows querying another device's event, but this thread has
+        // no device of its own; the event's device keeps the destroy (and
+        // any context CUDA needs) on the right GPU.
+        ScopedDevice scoped(it->rc->device);
         const cudaError_t q = cudaEventQuery(it->event);
         if (q == cudaErrorNotReady && now < it->deadline) {
           ++it;
