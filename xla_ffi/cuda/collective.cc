@@ -19,10 +19,18 @@ Status RunCollective(cudaStream_t stream, int device, const int32_t* coords, int
     return Status(Code::kInvalidArgument,
                   "jaxcomm: call site " + std::to_string(op_id) + " changed its group size");
   }
+  // The watchdog's clock starts at this event, not now: work queued ahead
+  // on the stream must not count against this call's timeout.
+  cudaEvent_t start;
+  JAXCOMM_RETURN_IF_ERROR(RecordEvent(stream, &start));
   CudaKernels k(stream);
-  JAXCOMM_RETURN_IF_ERROR(body(*rc, k));
-  JAXCOMM_RETURN_IF_ERROR(k.status());
-  return Watch(*rc, stream);
+  Status st = body(*rc, k);
+  if (st.ok()) st = k.status();
+  if (!st.ok()) {
+    cudaEventDestroy(start);
+    return st;
+  }
+  return Watch(*rc, stream, start);
 }
 
 namespace {

@@ -103,7 +103,7 @@ class Registry {
     ids_[{op_id, group}] = id;
   }
 
-  void Watch(RankComms* rc, cudaEvent_t event);
+  void Watch(RankComms* rc, cudaEvent_t start, cudaEvent_t end);
 
  private:
   Status InitRank(RankComms& rc, const ncclUniqueId& id);
@@ -119,8 +119,9 @@ class Registry {
 
   struct Watched {
     RankComms* rc;
-    cudaEvent_t event;
-    Clock::time_point deadline;
+    cudaEvent_t start;           // the call's work begins; null once passed
+    cudaEvent_t end;             // the call's work is done
+    Clock::time_point deadline;  // set when start has passed
   };
   std::mutex watch_mu_;
   std::deque<Watched> watched_;
@@ -215,9 +216,9 @@ Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nr
   return Status::Ok();
 }
 
-void Registry::Watch(RankComms* rc, cudaEvent_t event) {
+void Registry::Watch(RankComms* rc, cudaEvent_t start, cudaEvent_t end) {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  watched_.push_back({rc, event, Deadline()});
+  watched_.push_back({rc, start, end, Clock::time_point::max()});
   if (!watchdog_started_) {
     watchdog_started_ = true;
     std::thread([this] { WatchdogLoop(); }).detach();
@@ -231,19 +232,27 @@ void Registry::WatchdogLoop() {
     {
       std::lock_guard<std::mutex> lock(watch_mu_);
       const Clock::time_point now = Clock::now();
-      // An event still pending past its deadline means a peer never joined.
+      // The clock starts when the work queued ahead of a call is done (its
+      // start event passed), so a long queue never counts against it; an end
+      // event still pending past the deadline means a peer never joined.
       for (auto it = watched_.begin(); it != watched_.end();) {
         // CUDA allows querying another device's event, but this thread has
         // no device of its own; the event's device keeps the destroy (and
         // any context CUDA needs) on the right GPU.
         ScopedDevice scoped(it->rc->device);
-        const cudaError_t q = cudaEventQuery(it->event);
+        if (it->start != nullptr && cudaEventQuery(it->start) != cudaErrorNotReady) {
+          cudaEventDestroy(it->start);
+          it->start = nullptr;
+          it->deadline = Deadline();
+        }
+        const cudaError_t q = cudaEventQuery(it->end);
         if (q == cudaErrorNotReady && now < it->deadline) {
           ++it;
           continue;
         }
         if (q == cudaErrorNotReady) expired.push_back(*it);
-        cudaEventDestroy(it->event);
+        if (it->start != nullptr) cudaEventDestroy(it->start);
+        cudaEventDestroy(it->end);
         it = watched_.erase(it);
       }
     }
@@ -365,14 +374,25 @@ Status Await(RankComms& rc, ncclComm_t comm, const char* what) {
   }
 }
 
-Status Watch(RankComms& rc, cudaStream_t stream) {
+Status RecordEvent(cudaStream_t stream, cudaEvent_t* out) {
+  *out = nullptr;
   cudaEvent_t event;
   JAXCOMM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   if (cudaError_t err = cudaEventRecord(event, stream); err != cudaSuccess) {
     cudaEventDestroy(event);
     return FromCuda(err, "cudaEventRecord");
   }
-  Registry::Get().Watch(&rc, event);
+  *out = event;
+  return Status::Ok();
+}
+
+Status Watch(RankComms& rc, cudaStream_t stream, cudaEvent_t start) {
+  cudaEvent_t end;
+  if (Status st = RecordEvent(stream, &end); !st.ok()) {
+    cudaEventDestroy(start);
+    return st;
+  }
+  Registry::Get().Watch(&rc, start, end);
   return Status::Ok();
 }
 
