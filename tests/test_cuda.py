@@ -1,6 +1,6 @@
 """The CUDA backend (xla_ffi/cuda): kernels against NumPy, NCCL collectives on
-one rank for every wire dtype, and a training step with backend="ffi" matching
-backend="xla".
+one rank for every wire dtype, and training steps (plain JAX and Flax NNX with
+optax) with backend="ffi" matching backend="xla".
 
 Needs a CUDA GPU, jax's CUDA plugin, and jaxcomm built with the CUDA module
 (``jaxcomm._ffi_cuda``; see README). One GPU is enough: a one-rank NCCL
@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -400,3 +401,61 @@ def test_training_step_through_the_handler_matches_xla(algorithm, wire):
     xla, _ = _train(_public_allreduce("xla", "auto", wire))
     assert "jaxcomm_allreduce" in ffi_text
     _assert_close(ffi, xla, 1e-5 if wire is None else 2e-2)
+
+
+def _flax_run(head):
+    """Three steps of a Flax NNX model under nnx.Optimizer (optax SGD with
+    momentum behind `head`) over all GPUs; parameters and lowered text."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 16, rngs=rngs)
+            self.b = nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    gpus = jax.devices("gpu")
+    mesh = jax.make_mesh((len(gpus),), ("data",), devices=gpus)
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(head, optax.sgd(0.1, 0.9)), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            logits = nnx.merge(mdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        optimizer.update(model, jax.grad(loss)(params))
+        return nnx.state((model, optimizer))
+
+    # check_vma=False: on a one-device mesh jaxcomm.allreduce returns its
+    # input still typed as varying over the axis, which out_specs=P() rejects.
+    run = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
+        )
+    )
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    rng = np.random.default_rng(0)
+    rows = NamedSharding(mesh, P("data"))
+    xs = rng.standard_normal((3, 8 * len(gpus), 12)).astype(np.float32)
+    ys = rng.integers(0, 5, (3, 8 * len(gpus))).astype(np.int32)
+    lowered = run.lower(state, jax.device_put(xs[0], rows), jax.device_put(ys[0], rows)).as_text()
+    for x, y in zip(xs, ys, strict=True):
+        state = jax.block_until_ready(run(state, jax.device_put(x, rows), jax.device_put(y, rows)))
+    model, _ = nnx.merge(graphdef, state)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))), lowered
+
+
+def test_flax_step_ffi_matches_xla():
+    ffi, ffi_text = _flax_run(jaxcomm.allreduce_gradients("data", backend="ffi"))
+    xla, xla_text = _flax_run(jaxcomm.allreduce_gradients("data", backend="xla"))
+    assert "jaxcomm_" not in xla_text
+    # As above: one GPU has a one-rank axis, which no backend sends anywhere.
+    assert ("jaxcomm_allreduce" in ffi_text) == (len(jax.devices("gpu")) > 1)
+    _assert_close(ffi, xla, 1e-5)
