@@ -66,25 +66,16 @@ class Scratch {
   }
 
  private:
+  // ffi.h's own helpers for these two: the C structs behind them differ
+  // between jaxlib versions (XLA_FFI_Error_GetMessage became GetDetails).
   std::string TakeMessage(XLA_FFI_Error* err) const {
-    XLA_FFI_Error_GetMessage_Args args;
-    args.struct_size = XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE;
-    args.extension_start = nullptr;
-    args.error = err;
-    args.message = nullptr;
-    api_->XLA_FFI_Error_GetMessage(&args);
-    std::string msg = args.message != nullptr ? args.message : "(XLA gave no reason)";
+    const char* message = xla::ffi::internal::GetErrorMessage(api_, err);
+    std::string msg = message != nullptr ? message : "(XLA gave no reason)";
     DestroyError(err);
     return msg;
   }
 
-  void DestroyError(XLA_FFI_Error* err) const {
-    XLA_FFI_Error_Destroy_Args args;
-    args.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
-    args.extension_start = nullptr;
-    args.error = err;
-    api_->XLA_FFI_Error_Destroy(&args);
-  }
+  void DestroyError(XLA_FFI_Error* err) const { xla::ffi::internal::DestroyError(api_, err); }
 
   const XLA_FFI_Api* api_;
   XLA_FFI_ExecutionContext* ctx_;
