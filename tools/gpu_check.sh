@@ -2,8 +2,9 @@
 # Everything a GPU machine can check, in one command and without the network:
 # builds jaxcomm with its CUDA module against the jax installed there, runs
 # every GPU test (kernels against NumPy, NCCL collectives, a plain JAX and a
-# Flax/optax training step with backend="ffi" against backend="xla"), then
-# bench/kernels.py (kernel bandwidth, ffi allreduce against lax.psum).
+# Flax/optax training step with backend="ffi" against backend="xla") and the
+# host-side CUDA tests, then bench/kernels.py (kernel bandwidth, ffi
+# allreduce against lax.psum).
 #
 #   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
 #
@@ -72,7 +73,8 @@ assert jaxcomm.ffi_available("gpu"), "the CUDA handlers are not registered"
 EOF
 
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
-gpu_tests=${gpu_tests:-tests/test_cuda.py}
+# The host-side CUDA tests too: there they compile against this jaxlib's headers.
+gpu_tests="${gpu_tests:-tests/test_cuda.py} tests/test_cuda_host.py"
 # shellcheck disable=SC2086  # one word per file
 step tests 300 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
   --junitxml="$out/test_gpu.xml"
