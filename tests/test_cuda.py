@@ -1,6 +1,6 @@
 """The CUDA backend (xla_ffi/cuda): kernels against NumPy, NCCL collectives on
-one rank for every wire dtype, and a training step with backend="ffi" matching
-backend="xla".
+one rank for every wire dtype, and training steps (plain JAX and Flax NNX with
+optax) with backend="ffi" matching backend="xla".
 
 Needs a CUDA GPU, jax's CUDA plugin, and jaxcomm built with the CUDA module
 (``jaxcomm._ffi_cuda``; see README). One GPU is enough: a one-rank NCCL
@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -126,12 +127,15 @@ def test_chunk_norms_match_numpy(dtype, n, chunk_size):
 def test_kernel_errors_come_back_as_exceptions():
     x = jnp.ones(10, jnp.float32)
     with pytest.raises(Exception, match="chunk_size <= 0"):
-        _call(
+        # GPU dispatch is asynchronous: the handler's error is raised when the
+        # result is waited for, not when the call is issued.
+        y = _call(
             "jaxcomm_chunk_norms",
             jax.ShapeDtypeStruct((1,), jnp.float32),
             x,
             chunk_size=np.int64(0),
         )
+        jax.block_until_ready(y)
 
 
 # --- NCCL collectives on one rank ------------------------------------------
@@ -237,6 +241,29 @@ def test_bad_algorithm_code_is_an_error_not_a_crash():
         jax.block_until_ready(jax.jit(fn)(x))
 
 
+def test_allreduce_output_unlike_input_is_an_error():
+    x = jnp.ones(8, jnp.float32)
+
+    def fn(v):
+        call = jax.ffi.ffi_call("jaxcomm_allreduce", jax.ShapeDtypeStruct((4,), jnp.float16))
+        return call(
+            v,
+            jnp.zeros(2, jnp.int32),
+            jnp.zeros((0,), jnp.bool_),
+            op_id=np.int64(10**12 + 1),
+            algorithm=np.int32(2),
+            nranks=np.int32(1),
+            intra_size=np.int32(1),
+            wire_dtype=np.int32(-1),
+            prescale=np.float64(1),
+            postscale=np.float64(1),
+            chunk_size=np.int64(1),
+        )
+
+    with pytest.raises(Exception, match="output must have x's dtype and size"):
+        jax.block_until_ready(jax.jit(fn)(x))
+
+
 # --- several GPUs, where the machine has them -------------------------------
 
 
@@ -299,22 +326,17 @@ def _loss(params, x, y):
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 10), -1))
 
 
-def _train(backend, algorithm, wire, steps=3):
+def _train(reduce_grad, steps=3):
+    """Plain SGD on an MLP over all GPUs, gradients reduced leaf by leaf with
+    `reduce_grad`; returns the parameters and the step's lowered text."""
     gpus = jax.devices("gpu")
     mesh = jax.make_mesh((len(gpus),), ("data",), devices=gpus)
-    params = _mlp_init(jax.random.key(0))
     batch = 8 * len(gpus)
     x = jax.random.normal(jax.random.key(1), (steps, batch, 32))
     y = jax.random.randint(jax.random.key(2), (steps, batch), 0, 10)
 
     def step(params, xb, yb):
-        grads = jax.grad(_loss)(params, xb, yb)
-        grads = jax.tree.map(
-            lambda g: jaxcomm.allreduce(
-                g, "data", op="mean", algorithm=algorithm, wire_dtype=wire, backend=backend
-            ),
-            grads,
-        )
+        grads = jax.tree.map(reduce_grad, jax.grad(_loss)(params, xb, yb))
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
     f = jax.jit(
@@ -322,16 +344,118 @@ def _train(backend, algorithm, wire, steps=3):
             step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
         )
     )
+    # shard_map no longer moves arguments to match in_specs: they must arrive placed.
+    params = jax.device_put(_mlp_init(jax.random.key(0)), NamedSharding(mesh, P()))
+    rows = NamedSharding(mesh, P("data"))
+    lowered = f.lower(params, jax.device_put(x[0], rows), jax.device_put(y[0], rows)).as_text()
     for s in range(steps):
-        params = f(params, x[s], y[s])
-    return jax.tree.map(np.asarray, params)
+        params = f(params, jax.device_put(x[s], rows), jax.device_put(y[s], rows))
+        jax.block_until_ready(params)
+    return jax.tree.map(np.asarray, params), lowered
+
+
+def _public_allreduce(backend, algorithm, wire):
+    return lambda g: jaxcomm.allreduce(
+        g, "data", op="mean", algorithm=algorithm, wire_dtype=wire, backend=backend
+    )
+
+
+def _assert_close(a_tree, b_tree, tol):
+    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("algorithm,wire", [("auto", None), ("ring", None), ("ring", "bf16")])
 def test_training_step_ffi_matches_xla(algorithm, wire):
     wire = jnp.bfloat16 if wire == "bf16" else None
-    ffi = _train("ffi", algorithm, wire)
-    xla = _train("xla", "ring" if algorithm == "ring" else "auto", wire)
-    tol = 1e-5 if wire is None else 2e-2
-    for a, b in zip(jax.tree.leaves(ffi), jax.tree.leaves(xla), strict=True):
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    ffi, ffi_text = _train(_public_allreduce("ffi", algorithm, wire))
+    xla_algorithm = "ring" if algorithm == "ring" else "auto"
+    xla, xla_text = _train(_public_allreduce("xla", xla_algorithm, wire))
+    assert "jaxcomm_allreduce" not in xla_text
+    # A one-rank axis has nothing to reduce, so every backend skips the call;
+    # over several GPUs the ffi step must run the handler.
+    assert ("jaxcomm_allreduce" in ffi_text) == (len(jax.devices("gpu")) > 1)
+    _assert_close(ffi, xla, 1e-5 if wire is None else 2e-2)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "hierarchical"])
+@pytest.mark.parametrize("wire", [None, jnp.bfloat16])
+def test_training_step_through_the_handler_matches_xla(algorithm, wire):
+    """The handler itself on the step's real gradients, called directly so
+    that it runs even on one GPU, where the public API skips it."""
+
+    def handler_mean(g):
+        place = placement("data")
+        flat = _ffi.allreduce(
+            g.reshape(-1),
+            place,
+            algorithm=algorithm,
+            wire=np.dtype(wire or g.dtype),
+            prescale=1.0,
+            postscale=1.0 / place.size,
+            intra_size=1,
+        )
+        return flat.reshape(g.shape)
+
+    ffi, ffi_text = _train(handler_mean)
+    xla, _ = _train(_public_allreduce("xla", "auto", wire))
+    assert "jaxcomm_allreduce" in ffi_text
+    _assert_close(ffi, xla, 1e-5 if wire is None else 2e-2)
+
+
+def _flax_run(head):
+    """Three steps of a Flax NNX model under nnx.Optimizer (optax SGD with
+    momentum behind `head`) over all GPUs; parameters and lowered text."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 16, rngs=rngs)
+            self.b = nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    gpus = jax.devices("gpu")
+    mesh = jax.make_mesh((len(gpus),), ("data",), devices=gpus)
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(head, optax.sgd(0.1, 0.9)), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            logits = nnx.merge(mdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        optimizer.update(model, jax.grad(loss)(params))
+        return nnx.state((model, optimizer))
+
+    # check_vma=False: on a one-device mesh jaxcomm.allreduce returns its
+    # input still typed as varying over the axis, which out_specs=P() rejects.
+    run = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
+        )
+    )
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    rng = np.random.default_rng(0)
+    rows = NamedSharding(mesh, P("data"))
+    xs = rng.standard_normal((3, 8 * len(gpus), 12)).astype(np.float32)
+    ys = rng.integers(0, 5, (3, 8 * len(gpus))).astype(np.int32)
+    lowered = run.lower(state, jax.device_put(xs[0], rows), jax.device_put(ys[0], rows)).as_text()
+    for x, y in zip(xs, ys, strict=True):
+        state = jax.block_until_ready(run(state, jax.device_put(x, rows), jax.device_put(y, rows)))
+    model, _ = nnx.merge(graphdef, state)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))), lowered
+
+
+def test_flax_step_ffi_matches_xla():
+    ffi, ffi_text = _flax_run(jaxcomm.allreduce_gradients("data", backend="ffi"))
+    xla, xla_text = _flax_run(jaxcomm.allreduce_gradients("data", backend="xla"))
+    assert "jaxcomm_" not in xla_text
+    # As above: one GPU has a one-rank axis, which no backend sends anywhere.
+    assert ("jaxcomm_allreduce" in ffi_text) == (len(jax.devices("gpu")) > 1)
+    _assert_close(ffi, xla, 1e-5)

@@ -6,14 +6,15 @@
 #include "cuda/collective.h"
 #include "cuda/handlers.h"
 #include "cuda/nccl_transport.h"
+#include "cuda/scratch.h"
 
 namespace jaxcomm::cuda {
 namespace {
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t nranks,
-                         int32_t wire_dtype) {
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::Context ctx, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y, int64_t op_id,
+                         int32_t nranks, int32_t wire_dtype) {
+  Scratch scratch(ctx);  // freed when the handler returns
   DType input, wire;
   if (auto err = cpu::DecodeTypes("all_gather", x.element_type(), wire_dtype, &input, &wire);
       !err.success()) {
@@ -31,7 +32,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::ScratchAlloca
       stream, device, coords.typed_data(), op_id, nranks, [&](RankComms& rc, CudaKernels& k) {
         void* block = nullptr;
         JAXCOMM_RETURN_IF_ERROR(
-            Allocate(scratch, AllGatherScratchBytes(m, input, wire, nranks), &block));
+            scratch.Allocate(AllGatherScratchBytes(m, input, wire, nranks), &block));
         NcclTransport flat(rc, rc.flat, rc.rank, rc.size, stream);
         return RingAllGather(flat, k, input, wire, x.untyped_data(), y->untyped_data(), m, block);
       });
@@ -43,9 +44,9 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device, ffi::ScratchAlloca
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherCuda, AllGatherImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Ctx<ffi::DeviceOrdinal>()      // picks the communicator
-                                  .Ctx<ffi::ScratchAllocator>()   // wire-typed gather buffer
-                                  .Arg<ffi::AnyBuffer>()          // x: m elements
+                                  .Ctx<ffi::DeviceOrdinal>()  // picks the communicator
+                                  .Ctx<ffi::Context>()        // scratch: wire-typed gather buffer
+                                  .Arg<ffi::AnyBuffer>()      // x: m elements
                                   .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
                                   .Ret<ffi::AnyBuffer>()          // y: nranks * m elements
                                   .Attr<int64_t>("op_id")         // call site

@@ -10,6 +10,7 @@
 #include "cuda/check.h"
 #include "cuda/collective.h"
 #include "cuda/handlers.h"
+#include "cuda/scratch.h"
 
 namespace jaxcomm::cuda {
 namespace {
@@ -29,11 +30,12 @@ Status PackedCount(cudaStream_t stream, const bool* mask, int64_t nchunks, int64
   return Status::Ok();
 }
 
-ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
-                         ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y, int64_t op_id,
-                         int32_t algorithm, int32_t nranks, int32_t intra_size, int32_t wire_dtype,
-                         double prescale, double postscale, int64_t chunk_size) {
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::Context ctx, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
+                         int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
+                         double postscale, int64_t chunk_size) {
+  Scratch scratch(ctx);  // freed when the handler returns
   ReduceSpec spec;
   if (auto err =
           cpu::DecodeTypes("allreduce", x.element_type(), wire_dtype, &spec.input, &spec.wire);
@@ -48,6 +50,9 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::ScratchAlloca
   if (algorithm < 0 || algorithm > 2) {
     return ffi::Error::InvalidArgument("jaxcomm allreduce: unknown algorithm code " +
                                        std::to_string(algorithm));
+  }
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("jaxcomm allreduce: output must have x's dtype and size");
   }
   const size_t n = x.element_count();
   const size_t isz = SizeOf(spec.input);
@@ -77,9 +82,9 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::ScratchAlloca
         k.Convert(out, spec.input, in, spec.input, n, 1.0);
         if (packed == 0) return Status::Ok();
         void *offsets, *packed_in, *packed_out;
-        JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, (nchunks + 1) * sizeof(int32_t), &offsets));
-        JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, packed * isz, &packed_in));
-        JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, packed * isz, &packed_out));
+        JAXCOMM_RETURN_IF_ERROR(scratch.Allocate((nchunks + 1) * sizeof(int32_t), &offsets));
+        JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(packed * isz, &packed_in));
+        JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(packed * isz, &packed_out));
         auto* chunk_offsets = static_cast<int32_t*>(offsets);
         JAXCOMM_RETURN_IF_ERROR(LaunchChunkOffsets(stream, selected, nchunks, chunk_offsets));
         JAXCOMM_RETURN_IF_ERROR(
@@ -98,7 +103,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCuda, AllReduceImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
                                   .Ctx<ffi::DeviceOrdinal>()      // picks the communicator
-                                  .Ctx<ffi::ScratchAllocator>()   // staging and packing
+                                  .Ctx<ffi::Context>()            // scratch: staging and packing
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all

@@ -7,6 +7,7 @@
 #include "cuda/check.h"
 #include "cuda/collective.h"
 #include "cuda/handlers.h"
+#include "cuda/scratch.h"
 
 namespace jaxcomm::cuda {
 namespace {
@@ -30,19 +31,20 @@ ffi::Error CheckChunks(const char* op, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> 
   return ffi::Error::Success();
 }
 
-Status Offsets(cudaStream_t stream, ffi::ScratchAllocator& scratch, const bool* mask,
-               int64_t nchunks, int32_t** offsets) {
+Status Offsets(cudaStream_t stream, Scratch& scratch, const bool* mask, int64_t nchunks,
+               int32_t** offsets) {
   void* block = nullptr;
-  JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, (nchunks + 1) * sizeof(int32_t), &block));
+  JAXCOMM_RETURN_IF_ERROR(scratch.Allocate((nchunks + 1) * sizeof(int32_t), &block));
   *offsets = static_cast<int32_t*>(block);
   return LaunchChunkOffsets(stream, mask, nchunks, *offsets);
 }
 
 // y[:packed] = the selected chunks of x in order; y[packed:] = 0. Only the
 // selected bytes are read and only y is written, once.
-ffi::Error PackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error PackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x,
                     ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
                     int64_t chunk_size) {
+  Scratch scratch(ctx);  // freed when the handler returns
   size_t isz = 0;
   if (auto err = CheckChunks("pack_chunks", x, mask, chunk_size, &isz); !err.success()) return err;
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
@@ -65,9 +67,10 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 }
 
 // y = x, except selected chunk c = packed[chunk c's packed position].
-ffi::Error UnpackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer packed,
+ffi::Error UnpackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer packed,
                       ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
                       int64_t chunk_size) {
+  Scratch scratch(ctx);  // freed when the handler returns
   size_t isz = 0;
   if (auto err = CheckChunks("unpack_chunks", x, mask, chunk_size, &isz); !err.success()) {
     return err;
@@ -96,17 +99,17 @@ ffi::Error UnpackImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackChunksCuda, PackImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Ctx<ffi::ScratchAllocator>()              // chunk offsets
-                                  .Arg<ffi::AnyBuffer>()                     // x, n elements
-                                  .Arg<ffi::Buffer<ffi::PRED>>()             // chunk mask
-                                  .Ret<ffi::AnyBuffer>()                     // y: packed, zero tail
-                                  .Attr<int64_t>("chunk_size"));             // elements per chunk
+                                  .Ctx<ffi::Context>()            // scratch: chunk offsets
+                                  .Arg<ffi::AnyBuffer>()          // x, n elements
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask
+                                  .Ret<ffi::AnyBuffer>()          // y: packed, zero tail
+                                  .Attr<int64_t>("chunk_size"));  // elements per chunk
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(UnpackChunksCuda, UnpackImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Ctx<ffi::ScratchAllocator>()              // chunk offsets
-                                  .Arg<ffi::AnyBuffer>()                     // packed, n elements
+                                  .Ctx<ffi::Context>()            // scratch: chunk offsets
+                                  .Arg<ffi::AnyBuffer>()          // packed, n elements
                                   .Arg<ffi::AnyBuffer>()          // x: the unselected values
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask
                                   .Ret<ffi::AnyBuffer>()          // y, like x

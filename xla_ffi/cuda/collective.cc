@@ -7,18 +7,6 @@
 
 namespace jaxcomm::cuda {
 
-Status Allocate(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
-  *out = nullptr;
-  if (bytes == 0) return Status::Ok();
-  std::optional<void*> p = scratch.Allocate(bytes, 256);
-  if (!p.has_value()) {
-    return Status(Code::kInternal,
-                  "jaxcomm: could not allocate " + std::to_string(bytes) + " bytes of scratch");
-  }
-  *out = *p;
-  return Status::Ok();
-}
-
 Status RunCollective(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
                      int nranks, const std::function<Status(RankComms&, CudaKernels&)>& body) {
   ScopedDevice scoped(device);
@@ -31,10 +19,18 @@ Status RunCollective(cudaStream_t stream, int device, const int32_t* coords, int
     return Status(Code::kInvalidArgument,
                   "jaxcomm: call site " + std::to_string(op_id) + " changed its group size");
   }
+  // The watchdog's clock starts at this event, not now: work queued ahead
+  // on the stream must not count against this call's timeout.
+  cudaEvent_t start;
+  JAXCOMM_RETURN_IF_ERROR(RecordEvent(stream, &start));
   CudaKernels k(stream);
-  JAXCOMM_RETURN_IF_ERROR(body(*rc, k));
-  JAXCOMM_RETURN_IF_ERROR(k.status());
-  return Watch(*rc, stream);
+  Status st = body(*rc, k);
+  if (st.ok()) st = k.status();
+  if (!st.ok()) {
+    cudaEventDestroy(start);
+    return st;
+  }
+  return Watch(*rc, stream, start);
 }
 
 namespace {
@@ -50,9 +46,9 @@ bool NcclAddsInAccumulator(const ReduceSpec& spec, ncclDataType_t* type) {
 
 }  // namespace
 
-Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream,
-                        ffi::ScratchAllocator& scratch, Algorithm algorithm, int intra_size,
-                        const ReduceSpec& spec, const void* in, void* out, size_t n) {
+Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream, Scratch& scratch,
+                        Algorithm algorithm, int intra_size, const ReduceSpec& spec, const void* in,
+                        void* out, size_t n) {
   ncclDataType_t type;
   if (algorithm == Algorithm::kDirect && NcclAddsInAccumulator(spec, &type)) {
     if (n > 0) {
@@ -72,12 +68,12 @@ Status ReduceContiguous(RankComms& rc, CudaKernels& k, cudaStream_t stream,
     const int L = intra_size;
     NcclTransport intra(rc, split.intra, rc.rank % L, L, stream);
     NcclTransport inter(rc, split.inter, rc.rank / L, rc.size / L, stream);
-    JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, L), &block));
+    JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, L), &block));
     return HierarchicalAllReduce(intra, inter, k, spec, in, out, n, block);
   }
   // kRing, and kDirect with a wire cast or a 16-bit input.
   NcclTransport flat(rc, rc.flat, rc.rank, rc.size, stream);
-  JAXCOMM_RETURN_IF_ERROR(Allocate(scratch, AllReduceScratchBytes(n, spec, rc.size), &block));
+  JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, rc.size), &block));
   return RingAllReduce(flat, k, spec, in, out, n, block);
 }
 

@@ -25,6 +25,9 @@ Clock::time_point Deadline() {
                             std::chrono::duration<double>(TimeoutSeconds()));
 }
 
+// NCCL's set-up job stores the handle from its own thread.
+ncclComm_t LoadHandle(const ncclComm_t& slot) { return __atomic_load_n(&slot, __ATOMIC_ACQUIRE); }
+
 ncclConfig_t NonBlockingConfig() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -43,6 +46,26 @@ void AbortLocked(RankComms& rc, const std::string& why) {
   rc.splits.clear();
   if (rc.flat) ncclCommAbort(rc.flat);
   rc.flat = nullptr;
+}
+
+std::string VersionString(int code) {
+  return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." +
+         std::to_string(code % 100);
+}
+
+// The libnccl.so.2 found at run time must be at least as new (major.minor)
+// as the headers this module was compiled with: an older one lacks calls and
+// config fields used here, and would fail far from the cause.
+Status CheckNcclVersion() {
+  int runtime = 0;
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclGetVersion(&runtime), nullptr);
+  if (runtime / 100 < NCCL_VERSION_CODE / 100) {
+    return Status(Code::kInternal, "jaxcomm: built against NCCL " +
+                                       VersionString(NCCL_VERSION_CODE) +
+                                       " but the loaded libnccl.so.2 is " + VersionString(runtime) +
+                                       "; install a matching nvidia-nccl-cu13 or rebuild jaxcomm");
+  }
+  return Status::Ok();
 }
 
 // The ranks of one group meeting for the first call of a site, in one process.
@@ -80,7 +103,7 @@ class Registry {
     ids_[{op_id, group}] = id;
   }
 
-  void Watch(RankComms* rc, cudaEvent_t event);
+  void Watch(RankComms* rc, cudaEvent_t start, cudaEvent_t end);
 
  private:
   Status InitRank(RankComms& rc, const ncclUniqueId& id);
@@ -96,8 +119,9 @@ class Registry {
 
   struct Watched {
     RankComms* rc;
-    cudaEvent_t event;
-    Clock::time_point deadline;
+    cudaEvent_t start;           // the call's work begins; null once passed
+    cudaEvent_t end;             // the call's work is done
+    Clock::time_point deadline;  // set when start has passed
   };
   std::mutex watch_mu_;
   std::deque<Watched> watched_;
@@ -106,15 +130,18 @@ class Registry {
 
 Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
   std::lock_guard<std::mutex> lock(rc.mu);
+  static const Status version = CheckNcclVersion();
+  JAXCOMM_RETURN_IF_ERROR(version);
   ScopedDevice scoped(rc.device);
   JAXCOMM_RETURN_IF_ERROR(scoped.status());
   ncclConfig_t config = NonBlockingConfig();
-  ncclComm_t comm = nullptr;
-  Status st = FromNccl(ncclCommInitRankConfig(&comm, rc.size, id, rc.rank, &config),
+  ncclComm_t& slot = rc.handle_slots.emplace_back(nullptr);
+  Status st = FromNccl(ncclCommInitRankConfig(&slot, rc.size, id, rc.rank, &config),
                        "ncclCommInitRankConfig");
   if (st.ok()) {
-    rc.flat = comm;
-    st = Await(rc, comm, "ncclCommInitRankConfig");
+    // Set before the call returns; the job stores the same handle again at its end.
+    rc.flat = LoadHandle(slot);
+    st = Await(rc, rc.flat, "ncclCommInitRankConfig");
   }
   if (!st.ok() && rc.failure.empty()) rc.failure = st.message();
   return st;
@@ -189,9 +216,9 @@ Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nr
   return Status::Ok();
 }
 
-void Registry::Watch(RankComms* rc, cudaEvent_t event) {
+void Registry::Watch(RankComms* rc, cudaEvent_t start, cudaEvent_t end) {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  watched_.push_back({rc, event, Deadline()});
+  watched_.push_back({rc, start, end, Clock::time_point::max()});
   if (!watchdog_started_) {
     watchdog_started_ = true;
     std::thread([this] { WatchdogLoop(); }).detach();
@@ -205,15 +232,27 @@ void Registry::WatchdogLoop() {
     {
       std::lock_guard<std::mutex> lock(watch_mu_);
       const Clock::time_point now = Clock::now();
-      // An event still pending past its deadline means a peer never joined.
+      // The clock starts when the work queued ahead of a call is done (its
+      // start event passed), so a long queue never counts against it; an end
+      // event still pending past the deadline means a peer never joined.
       for (auto it = watched_.begin(); it != watched_.end();) {
-        const cudaError_t q = cudaEventQuery(it->event);
+        // CUDA allows querying another device's event, but this thread has
+        // no device of its own; the event's device keeps the destroy (and
+        // any context CUDA needs) on the right GPU.
+        ScopedDevice scoped(it->rc->device);
+        if (it->start != nullptr && cudaEventQuery(it->start) != cudaErrorNotReady) {
+          cudaEventDestroy(it->start);
+          it->start = nullptr;
+          it->deadline = Deadline();
+        }
+        const cudaError_t q = cudaEventQuery(it->end);
         if (q == cudaErrorNotReady && now < it->deadline) {
           ++it;
           continue;
         }
         if (q == cudaErrorNotReady) expired.push_back(*it);
-        cudaEventDestroy(it->event);
+        if (it->start != nullptr) cudaEventDestroy(it->start);
+        cudaEventDestroy(it->end);
         it = watched_.erase(it);
       }
     }
@@ -271,6 +310,28 @@ Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, i
   return registry.Join(op_id, device, host[0], host[1], nranks, out);
 }
 
+namespace {
+
+// One ncclCommSplit of rc.flat. The new handle is only stored when NCCL's
+// set-up job ends, which the wait on the parent covers.
+Status SplitOne(RankComms& rc, int color, int key, const char* what, ncclComm_t* out) {
+  ncclConfig_t config = NonBlockingConfig();
+  ncclComm_t& slot = rc.handle_slots.emplace_back(nullptr);
+  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, color, key, &slot, &config), rc.flat);
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, what));
+  const ncclComm_t comm = LoadHandle(slot);
+  if (comm == nullptr) {
+    const std::string msg = std::string("jaxcomm: ") + what + " gave no communicator";
+    AbortLocked(rc, msg);
+    return Status(Code::kInternal, msg);
+  }
+  JAXCOMM_RETURN_IF_ERROR(Await(rc, comm, what));
+  *out = comm;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out) {
   if (auto it = rc.splits.find(intra_size); it != rc.splits.end()) {
     *out = it->second;
@@ -284,14 +345,8 @@ Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out) {
   }
   const int node = rc.rank / intra_size, local = rc.rank % intra_size;
   RankComms::Split split;
-  ncclConfig_t config = NonBlockingConfig();
-  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, node, local, &split.intra, &config), rc.flat);
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (intra)"));
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.intra, "ncclCommSplit (intra)"));
-  config = NonBlockingConfig();
-  JAXCOMM_NCCL_RETURN_IF_ERROR(ncclCommSplit(rc.flat, local, node, &split.inter, &config), rc.flat);
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, rc.flat, "ncclCommSplit (inter)"));
-  JAXCOMM_RETURN_IF_ERROR(Await(rc, split.inter, "ncclCommSplit (inter)"));
+  JAXCOMM_RETURN_IF_ERROR(SplitOne(rc, node, local, "ncclCommSplit (intra)", &split.intra));
+  JAXCOMM_RETURN_IF_ERROR(SplitOne(rc, local, node, "ncclCommSplit (inter)", &split.inter));
   rc.splits[intra_size] = *out = split;
   return Status::Ok();
 }
@@ -319,14 +374,25 @@ Status Await(RankComms& rc, ncclComm_t comm, const char* what) {
   }
 }
 
-Status Watch(RankComms& rc, cudaStream_t stream) {
+Status RecordEvent(cudaStream_t stream, cudaEvent_t* out) {
+  *out = nullptr;
   cudaEvent_t event;
   JAXCOMM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   if (cudaError_t err = cudaEventRecord(event, stream); err != cudaSuccess) {
     cudaEventDestroy(event);
     return FromCuda(err, "cudaEventRecord");
   }
-  Registry::Get().Watch(&rc, event);
+  *out = event;
+  return Status::Ok();
+}
+
+Status Watch(RankComms& rc, cudaStream_t stream, cudaEvent_t start) {
+  cudaEvent_t end;
+  if (Status st = RecordEvent(stream, &end); !st.ok()) {
+    cudaEventDestroy(start);
+    return st;
+  }
+  Registry::Get().Watch(&rc, start, end);
   return Status::Ok();
 }
 

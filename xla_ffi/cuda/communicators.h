@@ -11,14 +11,16 @@
 //
 // Communicators are non-blocking (config.blocking = 0), so no NCCL call can
 // hang the host: Await polls ncclCommGetAsyncError until a deadline, then
-// aborts the communicator. A collective that never finishes on the device is
-// caught by a watchdog thread that aborts it the same way (Watch).
+// aborts the communicator. A collective that never finishes on the device
+// (counted from when the work queued ahead of it is done) is caught by a
+// watchdog thread that aborts it the same way (Watch).
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -43,6 +45,10 @@ struct RankComms {
   int size = 0;
   ncclComm_t flat = nullptr;
   std::map<int, Split> splits;  // by ranks per node
+  // Where NCCL stores the handle of a communicator it creates: its set-up
+  // job writes it when it finishes, which may be after we stopped waiting
+  // (timeout), so the slot must outlive the call. std::list: addresses stay.
+  std::list<ncclComm_t> handle_slots;
   std::mutex mu;
   std::string failure;  // set when aborted: every later call returns it
 };
@@ -62,9 +68,14 @@ Status SplitFor(RankComms& rc, int intra_size, RankComms::Split* out);
 // on error or timeout aborts all of rc's communicators. Caller holds rc.mu.
 Status Await(RankComms& rc, ncclComm_t comm, const char* what);
 
-// Hands the work just issued on `stream` to the watchdog, which aborts rc's
-// communicators if it has not finished within the timeout.
-Status Watch(RankComms& rc, cudaStream_t stream);
+// A new event recorded on `stream` (the caller owns it).
+Status RecordEvent(cudaStream_t stream, cudaEvent_t* out);
+
+// Hands the work issued on `stream` since `start` (recorded with
+// RecordEvent; Watch takes it over, also on failure) to the watchdog, which
+// aborts rc's communicators if that work has not finished within the
+// timeout of `start` passing on the GPU.
+Status Watch(RankComms& rc, cudaStream_t stream, cudaEvent_t start);
 
 // For several processes: the unique id every process uses for (op_id, group).
 Status NewUniqueId(ncclUniqueId* id);

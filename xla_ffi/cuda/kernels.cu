@@ -155,8 +155,11 @@ cudaError_t AccumulateInto(cudaStream_t stream, void* acc, const void* src, DTyp
 
 // Exclusive scan of the mask in one block: each thread counts a contiguous
 // slice, thread 0 scans the 1024 partial counts, each thread writes its slice.
+// The launch bound caps registers at 64 a thread, so a block of 1024 always
+// fits on an SM (without it, a register-hungry build fails to launch).
 constexpr int kScanThreads = 1024;
-__global__ void ChunkOffsetsKernel(const bool* mask, int64_t nchunks, int32_t* offsets) {
+__global__ void __launch_bounds__(kScanThreads)
+    ChunkOffsetsKernel(const bool* mask, int64_t nchunks, int32_t* offsets) {
   __shared__ int32_t partial[kScanThreads + 1];
   const int64_t per = (nchunks + kScanThreads - 1) / kScanThreads;
   const int64_t begin = min(nchunks, per * threadIdx.x), end = min(nchunks, begin + per);
@@ -235,20 +238,32 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
   return FromCuda(cudaGetLastError(), kPack ? "pack chunks" : "unpack chunks");
 }
 
-// Bytes, not elements: only the tail is written, so width does not matter.
+// Whole elements (2, 4 or 8 bytes a store, every store aligned), from the
+// packed length the device computed to n.
+template <typename T>
 __global__ void ZeroPackedTailKernel(const bool* mask, const int32_t* offsets, int64_t nchunks,
-                                     int64_t chunk_size, size_t n, size_t elem_bytes,
-                                     unsigned char* packed) {
+                                     int64_t chunk_size, size_t n, T* packed) {
   // A short last chunk that is selected ends the packed data early.
   const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
   const size_t packed_elems =
       static_cast<size_t>(offsets[nchunks]) * chunk_size - (mask[nchunks - 1] ? short_by : 0);
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
-  for (size_t i =
-           packed_elems * elem_bytes + static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
-       i < n * elem_bytes; i += stride) {
-    packed[i] = 0;
+  for (size_t i = packed_elems + static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += stride) {
+    packed[i] = T(0);
   }
+}
+
+template <typename T>
+cudaError_t ZeroPackedTailTyped(cudaStream_t stream, const bool* mask, const int32_t* offsets,
+                                int64_t nchunks, int64_t chunk_size, size_t n, void* packed) {
+  // The tail's length is only known on the device: a grid sized for all n
+  // elements (at most 1024 blocks, enough to fill the GPU) strides over it.
+  const unsigned grid =
+      static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024));
+  ZeroPackedTailKernel<T><<<grid, kThreads, 0, stream>>>(mask, offsets, nchunks, chunk_size, n,
+                                                         static_cast<T*>(packed));
+  return cudaGetLastError();
 }
 
 // One block per chunk; four independent partial sums per thread keep four
@@ -339,14 +354,21 @@ Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t
                             int64_t nchunks, int64_t chunk_size, size_t n, size_t elem_bytes,
                             void* packed) {
   if (n == 0) return Status::Ok();
-  // The tail's length is only known on the device: a fixed grid strides
-  // over it, so an empty tail costs one small launch, not one per byte.
-  const size_t bytes = n * elem_bytes;
-  const unsigned grid =
-      static_cast<unsigned>(std::min<size_t>((bytes + kThreads - 1) / kThreads, 1024));
-  ZeroPackedTailKernel<<<grid, kThreads, 0, stream>>>(
-      mask, offsets, nchunks, chunk_size, n, elem_bytes, static_cast<unsigned char*>(packed));
-  return FromCuda(cudaGetLastError(), "zero packed tail kernel");
+  cudaError_t err;
+  switch (elem_bytes) {
+    case 2:
+      err = ZeroPackedTailTyped<uint16_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      break;
+    case 4:
+      err = ZeroPackedTailTyped<uint32_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      break;
+    case 8:
+      err = ZeroPackedTailTyped<uint64_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      break;
+    default:
+      return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
+  }
+  return FromCuda(err, "zero packed tail kernel");
 }
 
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,

@@ -7,14 +7,16 @@
 #include "cuda/collective.h"
 #include "cuda/handlers.h"
 #include "cuda/nccl_transport.h"
+#include "cuda/scratch.h"
 
 namespace jaxcomm::cuda {
 namespace {
 
-ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device, ffi::Context ctx,
                              ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
                              ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t nranks,
                              int32_t wire_dtype, double prescale, double postscale) {
+  Scratch scratch(ctx);  // freed when the handler returns
   ReduceSpec spec;
   if (auto err =
           cpu::DecodeTypes("reduce_scatter", x.element_type(), wire_dtype, &spec.input, &spec.wire);
@@ -36,7 +38,7 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device, ffi::ScratchAl
       stream, device, coords.typed_data(), op_id, nranks, [&](RankComms& rc, CudaKernels& k) {
         void* block = nullptr;
         JAXCOMM_RETURN_IF_ERROR(
-            Allocate(scratch, ReduceScatterScratchBytes(n, spec, nranks), &block));
+            scratch.Allocate(ReduceScatterScratchBytes(n, spec, nranks), &block));
         NcclTransport flat(rc, rc.flat, rc.rank, rc.size, stream);
         return RingReduceScatter(flat, k, spec, x.untyped_data(), y->untyped_data(), n, block);
       });
@@ -49,7 +51,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterCuda, ReduceScatterImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
                                   .Ctx<ffi::DeviceOrdinal>()     // picks the communicator
-                                  .Ctx<ffi::ScratchAllocator>()  // accumulator and staging
+                                  .Ctx<ffi::Context>()           // scratch: accumulator and staging
                                   .Arg<ffi::AnyBuffer>()         // x, any shape, n elements
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
                                   .Ret<ffi::AnyBuffer>()         // y: ceil(n / nranks) elements

@@ -1,0 +1,168 @@
+"""Host-side logic of the CUDA backend that runs without a GPU: scratch memory
+(xla_ffi/cuda/scratch.h) against an XLA FFI API that applies XLA's own rules
+for XLA_FFI_DeviceMemory_Allocate (alignment a power of two, at most 16).
+
+The C++ below is compiled with the host compiler against jax's FFI headers;
+it needs no CUDA, so it runs in CI. A failed check prints what it saw.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SCRATCH_TEST = r"""
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "cuda/scratch.h"
+
+struct XLA_FFI_Error {
+  std::string message;
+};
+
+namespace {
+
+int failures = 0;
+#define CHECK(cond)                                               \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      std::cout << "FAILED line " << __LINE__ << ": " #cond "\n"; \
+      ++failures;                                                 \
+    }                                                             \
+  } while (0)
+
+// What XLA does (xla/ffi/ffi_api.cc): alignment must be a power of two and at
+// most 16; the allocator may refuse a size. Blocks are tracked by address.
+constexpr size_t kXlaMaxAlignment = 16;
+size_t refuse_above = ~size_t{0};
+std::map<void*, size_t> live;
+int frees = 0, bad_frees = 0, errors_made = 0, errors_destroyed = 0;
+XLA_FFI_ExecutionContext* expected_ctx = nullptr;
+
+XLA_FFI_Error* Allocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
+  if (args->ctx != expected_ctx) return new XLA_FFI_Error{"wrong context"};
+  const size_t a = args->alignment;
+  if (a == 0 || (a & (a - 1)) != 0 || a > kXlaMaxAlignment) {
+    ++errors_made;
+    return new XLA_FFI_Error{"Unsupported alignment: " + std::to_string(a)};
+  }
+  if (args->size > refuse_above) {
+    ++errors_made;
+    return new XLA_FFI_Error{"RESOURCE_EXHAUSTED: Out of memory while trying to allocate " +
+                             std::to_string(args->size) + " bytes."};
+  }
+  args->data = std::aligned_alloc(kXlaMaxAlignment, (args->size + 15) / 16 * 16);
+  live[args->data] = args->size;
+  return nullptr;
+}
+
+XLA_FFI_Error* Free(XLA_FFI_DeviceMemory_Free_Args* args) {
+  auto it = live.find(args->data);
+  if (it == live.end() || it->second != args->size) {
+    ++bad_frees;
+  } else {
+    live.erase(it);
+    std::free(args->data);
+  }
+  ++frees;
+  return nullptr;
+}
+
+void Destroy(XLA_FFI_Error_Destroy_Args* args) {
+  ++errors_destroyed;
+  delete args->error;
+}
+
+#if XLA_FFI_API_MINOR >= 4
+void Details(XLA_FFI_Error_GetDetails_Args* args) {
+  args->message = args->error->message.c_str();
+  args->errc = XLA_FFI_Error_Code_INTERNAL;
+}
+#else
+void Message(XLA_FFI_Error_GetMessage_Args* args) { args->message = args->error->message.c_str(); }
+#endif
+
+}  // namespace
+
+int main() {
+  XLA_FFI_Api api;
+  std::memset(&api, 0, sizeof(api));
+  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
+  api.XLA_FFI_DeviceMemory_Allocate = Allocate;
+  api.XLA_FFI_DeviceMemory_Free = Free;
+  api.XLA_FFI_Error_Destroy = Destroy;
+#if XLA_FFI_API_MINOR >= 4
+  api.XLA_FFI_Error_GetDetails = Details;
+#else
+  api.XLA_FFI_Error_GetMessage = Message;
+#endif
+  int token = 0;
+  expected_ctx = reinterpret_cast<XLA_FFI_ExecutionContext*>(&token);
+  const xla::ffi::Context ctx(&api, expected_ctx);
+  {
+    jaxcomm::cuda::Scratch scratch(ctx);
+    void* a = nullptr;
+    void* b = nullptr;
+    void* none = &token;
+    jaxcomm::Status st = scratch.Allocate(100, &a);
+    if (!st.ok()) std::cout << "allocate(100): " << st.message() << "\n";
+    CHECK(st.ok() && a != nullptr);
+    CHECK(reinterpret_cast<uintptr_t>(a) % jaxcomm::cuda::kScratchAlignment == 0);
+    CHECK(scratch.Allocate(4096, &b).ok() && b != nullptr && b != a);
+    CHECK(scratch.Allocate(0, &none).ok() && none == nullptr);
+    CHECK(live.size() == 2);
+
+    refuse_above = 1000;
+    void* big = &token;
+    st = scratch.Allocate(5000, &big);
+    std::cout << "refused: " << st.message() << "\n";
+    CHECK(!st.ok() && big == nullptr);
+    CHECK(st.message().find("could not allocate 5000 bytes of scratch") != std::string::npos);
+    CHECK(st.message().find("Out of memory while trying to allocate 5000 bytes") !=
+          std::string::npos);
+    CHECK(errors_made == 1 && errors_destroyed == 1);
+  }
+  CHECK(live.empty() && frees == 2 && bad_frees == 0);
+  std::cout << (failures == 0 ? "ok\n" : "checks failed\n");
+  return failures == 0 ? 0 : 1;
+}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _enough_devices():
+    """Overrides conftest's 8-device rule: nothing here runs on a JAX device,
+    so the test also runs on a GPU machine (against that jaxlib's headers)."""
+
+
+@pytest.fixture(scope="module")
+def scratch_test_binary(tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    work = tmp_path_factory.mktemp("cuda_host")
+    src = work / "scratch_test.cc"
+    src.write_text(SCRATCH_TEST)
+    exe = work / "scratch_test"
+    cmd = [cxx, "-std=c++17", "-O1", f"-I{ROOT / 'xla_ffi'}", f"-I{jax.ffi.include_dir()}"]
+    build = subprocess.run(
+        [*cmd, str(src), "-o", str(exe)], capture_output=True, text=True, timeout=300
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    return exe
+
+
+def test_scratch_follows_xla_allocator_rules_and_reports_its_reason(scratch_test_binary):
+    run = subprocess.run([str(scratch_test_binary)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[-1] == "ok"

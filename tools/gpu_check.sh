@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Everything a GPU machine can check, in one command and without the network:
+# builds jaxcomm with its CUDA module against the jax installed there, runs
+# every GPU test (kernels against NumPy, NCCL collectives, a plain JAX and a
+# Flax/optax training step with backend="ffi" against backend="xla") and the
+# host-side CUDA tests, then bench/kernels.py (kernel bandwidth, ffi
+# allreduce against lax.psum).
+#
+#   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
+#
+# Writes OUTDIR/gpu_check.log (everything printed) and OUTDIR/summary.json
+# (machine, each step's exit code and seconds, test counts with every failure
+# and skip reason, the benchmark's numbers). A failing step does not stop
+# the next; the exit code is non-zero if any step failed. Each step has a
+# time limit, so the whole run ends within 10 minutes (about 2 on one H100).
+#
+# Needs, already installed: nvidia-smi, nvcc (on PATH or in CUDACXX), a jax
+# with its CUDA plugin, nvidia-nccl-cu13, and jaxcomm's build and test
+# requirements (scikit-build-core, pybind11, cmake, ninja, pytest; flax for
+# the Flax step, which is skipped and reported without it).
+# CUDA_ARCH (default 90), KERNEL_SIZE (default 256M), PYTHON: overrides.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-build/gpu_check}
+mkdir -p "$out/steps"
+out=$(cd "$out" && pwd)
+log="$out/gpu_check.log"
+: >"$log"
+: >"$out/steps.jsonl"
+rm -f "$out"/steps/*.out "$out/test_gpu.xml"
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+py=${PYTHON:-python3}
+status=0
+t0=$SECONDS
+
+# step NAME LIMIT_S COMMAND...: runs it under a time limit, its output into
+# the log and steps/NAME.out; records exit code and seconds; goes on.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*" | tee -a "$log"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log" "$out/steps/$name.out"
+  local rc=${PIPESTATUS[0]}
+  local timed_out=false
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
+  echo "=== $name: exit $rc in $((SECONDS - start)) s$([ "$timed_out" = true ] && echo " (time limit $limit s)")" |
+    tee -a "$log"
+  [ "$rc" -eq 0 ] || status=1
+  printf '{"step": "%s", "exit": %d, "seconds": %d, "timed_out": %s}\n' \
+    "$name" "$rc" "$((SECONDS - start))" "$timed_out" >>"$out/steps.jsonl"
+}
+
+step machine 60 sh -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1; \
+  (command -v nvcc >/dev/null && nvcc --version | tail -1) || echo \"nvcc: \${CUDACXX:-not on PATH}\"; \
+  $py -c 'import sys, jax, jaxlib; print(\"python\", sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'"
+
+# The editable install builds into build/<wheel tag>; no index is consulted.
+step build 240 env JAXCOMM_CUDA=1 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" \
+  "$py" -m pip install -q --no-index --no-build-isolation --no-deps -e .
+
+# The module must be the one just built from this checkout.
+step module 60 "$py" - "$PWD" <<'EOF'
+import os, sys
+import jaxcomm
+from jaxcomm import _ffi_cuda
+root = os.path.realpath(sys.argv[1])
+print("jaxcomm from", os.path.dirname(jaxcomm.__file__))
+print("CUDA module", _ffi_cuda.__file__, "NCCL", _ffi_cuda.nccl_version())
+print("ffi gpu:", jaxcomm.ffi_available("gpu"))
+assert os.path.realpath(jaxcomm.__file__).startswith(root + os.sep), "jaxcomm is not this checkout"
+assert jaxcomm.ffi_available("gpu"), "the CUDA handlers are not registered"
+EOF
+
+gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+# The host-side CUDA tests too: there they compile against this jaxlib's headers.
+gpu_tests="${gpu_tests:-tests/test_cuda.py} tests/test_cuda_host.py"
+# shellcheck disable=SC2086  # one word per file
+step tests 300 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
+  --junitxml="$out/test_gpu.xml"
+
+step kernels 240 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
+
+# The summary needs nothing but the standard library, so it is written
+# whatever broke above.
+"$py" - "$out" "$((SECONDS - t0))" "$status" <<'EOF' | tee -a "$log"
+import json, os, sys
+import xml.etree.ElementTree as ET
+
+out, seconds, status = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+def read(name):
+    path = os.path.join(out, "steps", name + ".out")
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def tests():
+    path = os.path.join(out, "test_gpu.xml")
+    if not os.path.exists(path):
+        return None
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures, skipped = [], {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "errors"
+                first = (child.get("message") or child.text or "").strip().splitlines()
+                failures.append({"test": name, "message": first[0][:500] if first else ""})
+            elif child.tag == "skipped":
+                outcome = "skipped"
+                reason = child.get("message") or ""
+                skipped[reason] = skipped.get(reason, 0) + 1
+        counts[outcome] += 1
+    return {**counts, "failures": failures, "skip_reasons": skipped}
+
+
+def kernels():
+    text = read("kernels")
+    start = text.find("{")
+    try:
+        return json.loads(text[start : text.rindex("}") + 1]) if start >= 0 else None
+    except ValueError:
+        return None
+
+
+steps = [json.loads(line) for line in open(os.path.join(out, "steps.jsonl"))]
+summary = {
+    "ok": status == 0,
+    "seconds": seconds,
+    "machine": read("machine").strip().splitlines(),
+    "steps": steps,
+    "tests": tests(),
+    "kernels": kernels(),
+}
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+failed = [s["step"] for s in steps if s["exit"] != 0]
+t = summary["tests"] or {}
+print(
+    f"=== summary: {'OK' if not failed else 'FAILED: ' + ', '.join(failed)}; "
+    f"tests {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+    f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped; {seconds} s; "
+    f"{os.path.join(out, 'summary.json')}"
+)
+EOF
+exit $status
