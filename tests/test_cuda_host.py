@@ -1,6 +1,9 @@
 """Host-side logic of the CUDA backend that runs without a GPU: scratch memory
 (xla_ffi/cuda/scratch.h) against an XLA FFI API that applies XLA's own rules
-for XLA_FFI_DeviceMemory_Allocate (alignment a power of two, at most 16).
+for XLA_FFI_DeviceMemory_Allocate (alignment a power of two, at most 16);
+and the extension modules (the CPU one, and the CUDA one where it is built)
+export nothing but their PyInit_* (no statically linked cudart, no XLA FFI
+templates for another module to bind to).
 
 The C++ below is compiled with the host compiler against jax's FFI headers;
 it needs no CUDA, so it runs in CI. A failed check prints what it saw.
@@ -8,6 +11,7 @@ it needs no CUDA, so it runs in CI. A failed check prints what it saw.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import shutil
 import subprocess
@@ -166,3 +170,22 @@ def test_scratch_follows_xla_allocator_rules_and_reports_its_reason(scratch_test
     run = subprocess.run([str(scratch_test_binary)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines()[-1] == "ok"
+
+
+@pytest.mark.parametrize("module", ["_ffi", "_ffi_cuda"])
+def test_extension_module_exports_only_its_init(module):
+    spec = importlib.util.find_spec(f"jaxcomm.{module}")
+    if spec is None:
+        pytest.skip(f"jaxcomm.{module} is not built")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on PATH")
+    listing = subprocess.run(
+        [nm, "-D", "--defined-only", spec.origin],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    exported = [line.split()[-1] for line in listing.stdout.splitlines() if line.strip()]
+    assert exported == [f"PyInit_{module}"], exported[:20]

@@ -3,8 +3,9 @@
 # builds jaxcomm with its CUDA module against the jax installed there, runs
 # every GPU test (kernels against NumPy, NCCL collectives, a plain JAX and a
 # Flax/optax training step with backend="ffi" against backend="xla") and the
-# host-side CUDA tests, then bench/kernels.py (kernel bandwidth, ffi
-# allreduce against lax.psum).
+# host-side CUDA tests, a smoke subset of the CPU suite (which a GPU machine
+# runs on its 8 forced host devices, -m "not gpu"), then bench/kernels.py
+# (kernel bandwidth, ffi allreduce against lax.psum).
 #
 #   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
 #
@@ -27,7 +28,7 @@ out=$(cd "$out" && pwd)
 log="$out/gpu_check.log"
 : >"$log"
 : >"$out/steps.jsonl"
-rm -f "$out"/steps/*.out "$out/test_gpu.xml"
+rm -f "$out"/steps/*.out "$out/test_gpu.xml" "$out/test_cpu.xml"
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 py=${PYTHON:-python3}
 status=0
@@ -79,6 +80,11 @@ gpu_tests="${gpu_tests:-tests/test_cuda.py} tests/test_cuda_host.py"
 step tests 300 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
   --junitxml="$out/test_gpu.xml"
 
+# The CPU handlers and chunk_sparse on the CPU platform, next to the CUDA
+# plugin: "not gpu" pins the session to the CPU (tests/conftest.py).
+step cpu_tests 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m "not gpu" \
+  tests/test_ffi_cpu.py tests/test_chunk_sparse.py --junitxml="$out/test_cpu.xml"
+
 step kernels 240 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
 
 # The summary needs nothing but the standard library, so it is written
@@ -95,8 +101,8 @@ def read(name):
     return open(path).read() if os.path.exists(path) else ""
 
 
-def tests():
-    path = os.path.join(out, "test_gpu.xml")
+def tests(xml):
+    path = os.path.join(out, xml)
     if not os.path.exists(path):
         return None
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
@@ -132,18 +138,27 @@ summary = {
     "seconds": seconds,
     "machine": read("machine").strip().splitlines(),
     "steps": steps,
-    "tests": tests(),
+    "tests": tests("test_gpu.xml"),
+    "cpu_tests": tests("test_cpu.xml"),
     "kernels": kernels(),
 }
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
 failed = [s["step"] for s in steps if s["exit"] != 0]
-t = summary["tests"] or {}
+
+
+def counts(t):
+    t = t or {}
+    return (
+        f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+        f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped"
+    )
+
+
 print(
     f"=== summary: {'OK' if not failed else 'FAILED: ' + ', '.join(failed)}; "
-    f"tests {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
-    f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped; {seconds} s; "
-    f"{os.path.join(out, 'summary.json')}"
+    f"tests {counts(summary['tests'])}; CPU smoke {counts(summary['cpu_tests'])}; "
+    f"{seconds} s; {os.path.join(out, 'summary.json')}"
 )
 EOF
 exit $status
