@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxcomm._validate import check_nonnegative, check_ranks
 from jaxcomm.costmodel.alphabeta import (
-    check_nonnegative,
-    check_ranks,
     hierarchical_allreduce_time,
     ring_allreduce_time,
     tree_allreduce_time,
@@ -49,11 +48,11 @@ from jaxcomm.costmodel.alphabeta import (
 
 ALGORITHMS = ("ring", "hierarchical", "tree")
 
-# Link figures used by the clusters of issue 6. Bandwidths in bytes/s, one
+# Link figures of the two target clusters below. Bandwidths in bytes/s, one
 # direction; latencies in seconds per ring step. The network rates are the
-# issue's; the others are assumptions of typical hardware, stated here.
-IB_FDR_BANDWIDTH = 56e9 / 8  # 56 Gbps InfiniBand FDR (issue 6), 7.0 GB/s
-ETHERNET_25G_BANDWIDTH = 25e9 / 8  # 25 Gbps Ethernet (issue 6), 3.125 GB/s
+# targets'; the others are assumptions of typical hardware, stated here.
+IB_FDR_BANDWIDTH = 56e9 / 8  # 56 Gbps InfiniBand FDR, 7.0 GB/s
+ETHERNET_25G_BANDWIDTH = 25e9 / 8  # 25 Gbps Ethernet, 3.125 GB/s
 PCIE3_X16_BANDWIDTH = 12e9  # assumed: PCIe 3.0 x16 is 15.75 GB/s raw, ~12 GB/s for P2P copies
 CPU_P2P_BANDWIDTH = 9e9  # assumed: GPU P2P through the CPU root complex, between PCIe switches
 NVLINK_V100_BANDWIDTH = 100e9  # assumed: 8 x V100 NVLink hybrid cube mesh, ring busbw
@@ -165,7 +164,7 @@ class Cluster:
 
 
 def pcie_infiniband(*, nodes: int) -> Cluster:
-    """Issue 6's clusters: nodes of 8 GPUs on two PCIe switches of 4, 56 Gbps InfiniBand.
+    """The PCIe clusters: nodes of 8 GPUs on two PCIe switches of 4, 56 Gbps InfiniBand.
 
     ``pcie_infiniband(nodes=16)`` is ``pascal128``, ``nodes=64`` is ``volta512``.
 
@@ -186,7 +185,7 @@ def pcie_infiniband(*, nodes: int) -> Cluster:
 
 
 def nvlink_ethernet(*, nodes: int) -> Cluster:
-    """Issue 6's second scenario: nodes of 8 V100 (NVLink) on 25 Gbps Ethernet.
+    """The Ethernet scenario: nodes of 8 V100 (NVLink) on 25 Gbps Ethernet.
 
     Examples:
       >>> round(nvlink_ethernet(nodes=4).inter_bandwidth / 1e9, 3)
