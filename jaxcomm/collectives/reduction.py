@@ -227,23 +227,18 @@ class BoundReduction(NamedTuple):
         back to y's dtype."""
         return _xla.from_wire(y, y.dtype, self.size)
 
-    @property
-    def prescale(self) -> float:
-        """What a narrow wire's values are multiplied by before the cast: 1/N,
-        or 2^-k (2^k >= 2N) on the paths where XLA adds in float16."""
-        return 1.0 / self._wire_scale()
-
     def cast_error(self, v):
         """What the wire cast drops from v (a narrow wire's error feedback):
-        v - decast(cast(v * prescale)) / prescale, computed exactly as the
-        collectives cast (scale in the accumulator type)."""
+        v - decast(cast(v * prescale)) / prescale, with the prescale this
+        reduction applies (1/N, or 2^-k with 2^k >= 2N where XLA adds in
+        float16), computed exactly as the collectives cast."""
         scale = self._wire_scale()
         acc = _xla.accumulator(v.dtype)
         sent = _xla.to_wire(v, self.reduction.wire_dtype, 1.0 / scale).astype(acc) * scale
         return (v.astype(acc) - sent).astype(v.dtype)
 
     def _wire_scale(self):
-        """1 / prescale: N, or a power of two >= 2N where XLA adds in float16."""
+        """1 / the prescale before a narrow wire's cast."""
         n = self.size
         if self.backend == "xla" and self.algorithm in _xla.ADDS_IN_WIRE:
             return 1.0 / _xla.headroom_scales(self.reduction.wire_dtype, n, 1.0 / n, 1.0)[0]
