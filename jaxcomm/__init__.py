@@ -13,9 +13,16 @@
 """
 
 from jaxcomm import costmodel, distributed
-from jaxcomm._runtime import ffi_stats, get_ffi_timeout, reset_ffi_stats, set_ffi_timeout
-from jaxcomm.collectives import all_gather, allreduce, reduce_scatter
-from jaxcomm.collectives._ffi import available as ffi_available
+from jaxcomm.collectives import (
+    all_gather,
+    allreduce,
+    ffi_available,
+    ffi_stats,
+    get_ffi_timeout,
+    reduce_scatter,
+    reset_ffi_stats,
+    set_ffi_timeout,
+)
 from jaxcomm.costmodel import plan
 from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
 from jaxcomm.transforms import (

@@ -1,9 +1,11 @@
-"""Argument validation shared by the collectives: clear errors at trace time."""
+"""The collectives' choices and dtypes, and a chunk mask against its input."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxcomm._validate import is_integer
 
 OPS = ("sum", "mean")
 ALGORITHMS = ("auto", "ring", "hierarchical", "direct")
@@ -47,16 +49,10 @@ def check_wire_dtype(wire_dtype) -> np.dtype | None:
     return dtype
 
 
-def is_integer(value) -> bool:
-    """A Python or NumPy integer; bool is not (True would pass for 1)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def check_chunking(chunk_mask, chunk_size, size: int, max_chunks) -> int:
-    """Validates a chunk mask against an input of `size` elements; returns the chunk count."""
-    if not is_integer(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-    nchunks = -(-size // int(chunk_size))
+def check_chunking(chunk_mask, chunk_size: int, size: int, max_chunks) -> int:
+    """Validates a chunk mask against an input of `size` elements in chunks
+    of `chunk_size` (already checked); returns the chunk count."""
+    nchunks = -(-size // chunk_size)
     if chunk_mask.dtype != jnp.bool_:
         raise TypeError(f"chunk_mask must be boolean, got {chunk_mask.dtype}")
     if chunk_mask.shape != (nchunks,):

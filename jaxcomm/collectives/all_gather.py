@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomm.collectives import _ffi, _xla
-from jaxcomm.collectives._frontend import prepare
+from jaxcomm.collectives import _ffi, _prepare, _xla
 
 
 def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
@@ -32,7 +31,7 @@ def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
       >>> jax.jit(f)(x).shape == (n, 1)
       True
     """
-    c = prepare(x, axis_name, op="sum", wire_dtype=wire_dtype, backend=backend)
+    c = _prepare.prepare(x, axis_name, op="sum", wire_dtype=wire_dtype, backend=backend)
     if c.backend == "xla":
         out = _xla.all_gather(c.flat, c.place, c.wire)
     else:

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomm.collectives import _checks, _ffi, _xla
-from jaxcomm.collectives._frontend import (
-    DEFAULT_CHUNK_SIZE,
-    linear_collective,
-    prepare,
-    resolve_algorithm,
-)
-
-_XLA_ALGORITHMS = {
-    "psum": _xla.psum_allreduce,
-    "ring": _xla.ring_allreduce,
-    "hierarchical": _xla.hierarchical_allreduce,
-}
+from jaxcomm.collectives import _checks
+from jaxcomm.collectives.reduction import DEFAULT_CHUNK_SIZE, reduction
 
 
 def allreduce(
@@ -97,99 +86,17 @@ def allreduce(
       >>> bool(jnp.allclose(jax.jit(f)(x), x.reshape(-1, 2).mean(0)))
       True
     """
-    c = prepare(
-        x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend, masked=chunk_mask is not None
+    x = jnp.asarray(x)
+    _checks.check_input_dtype("x", x.dtype)
+    bound = reduction(
+        axis_name,
+        op=op,
+        wire_dtype=wire_dtype,
+        algorithm=algorithm,
+        backend=backend,
+        masked=chunk_mask is not None,
+        chunk_size=chunk_size,
+    ).bind()
+    return bound.allreduce(
+        x, chunk_mask=chunk_mask, max_chunks=max_chunks, unselected=unselected, in_place=in_place
     )
-    flat, dtype, wire, backend, place, prescale, postscale = c
-    axes = place.axes
-    algorithm = resolve_algorithm(algorithm, backend, axes)
-    shape = jnp.shape(x)
-    _checks.check_choice("unselected", unselected, ("local", "zero"))
-    zero = chunk_mask is not None and unselected == "zero"
-    if chunk_mask is not None:
-        chunk_mask = jnp.asarray(chunk_mask)
-        nchunks = _checks.check_chunking(chunk_mask, chunk_size, flat.size, max_chunks)
-        if zero:
-            # Zeroed before the call, so the custom call's result is the same
-            # on every device and the xla path unpacks into zeros.
-            selected = jnp.repeat(chunk_mask, chunk_size, total_repeat_length=nchunks * chunk_size)
-            flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))
-    if place.size == 1:
-        # Nothing travels, so nothing is rounded to the wire dtype; every
-        # backend and schedule agrees on this.
-        return _xla.from_wire(flat, dtype, prescale * postscale).reshape(shape)
-
-    if chunk_mask is not None:
-        if backend == "ffi":
-            y = _ffi.allreduce(
-                flat,
-                place,
-                algorithm=algorithm,
-                wire=wire,
-                prescale=prescale,
-                postscale=postscale,
-                chunk_mask=chunk_mask,
-                chunk_size=chunk_size,
-                intra_size=_intra_size(place),
-                replicated=zero,
-            )
-        else:
-            reduce = _XLA_ALGORITHMS[algorithm]
-            y = _masked(
-                flat,
-                chunk_mask,
-                chunk_size,
-                nchunks,
-                max_chunks,
-                lambda v: reduce(v, place, wire, prescale, postscale),
-                zero=zero,
-            )
-        return y.reshape(shape)
-
-    if backend == "xla" and algorithm == "psum" and wire == dtype:
-        # Nothing is rounded to a wire: lax.psum's own derivatives (forward
-        # mode included) are exact. A narrow wire takes linear_collective
-        # below, whose backward pass is this same mean: psum's transpose would
-        # cast the cotangent times postscale (2^k/N, see _xla.headroom_scales)
-        # to float16, which overflows long before the cotangent does.
-        return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(shape)
-
-    def forward(v):
-        if backend == "xla":
-            return _XLA_ALGORITHMS[algorithm](v, place, wire, prescale, postscale)
-        return _ffi.allreduce(
-            v,
-            place,
-            algorithm=algorithm,
-            wire=wire,
-            prescale=prescale,
-            postscale=postscale,
-            intra_size=_intra_size(place),
-            in_place=in_place,
-        )
-
-    # The ring's ppermutes and the custom calls would otherwise transpose to
-    # something other than psum's transpose; make all schedules agree with it.
-    y = linear_collective(forward, flat, axes, prescale * postscale, forward)
-    return y.reshape(shape)
-
-
-def _intra_size(place) -> int:
-    return place.shape[-1] if len(place.axes) == 2 else 1
-
-
-def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
-    """Reduces only the selected chunks of `flat` with the xla backend; the
-    others keep their local values, or zeros (then the result is replicated)."""
-    n = flat.size
-    chunks = jnp.pad(flat, (0, nchunks * chunk_size - n)).reshape(nchunks, chunk_size)
-    rest = jnp.zeros_like(chunks) if zero else chunks
-    if max_chunks is None:
-        reduced = reduce(chunks.reshape(-1)).reshape(nchunks, chunk_size)
-        out = jnp.where(mask[:, None], reduced, rest)
-    else:
-        index = jnp.nonzero(mask, size=max_chunks, fill_value=nchunks)[0]
-        packed = chunks.at[index].get(mode="fill", fill_value=0)
-        reduced = reduce(packed.reshape(-1)).reshape(max_chunks, chunk_size)
-        out = rest.at[index].set(reduced, mode="drop")
-    return out.reshape(-1)[:n]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from jaxcomm.collectives import _ffi, _xla
-from jaxcomm.collectives._frontend import prepare
+from jaxcomm.collectives import _ffi, _prepare, _xla
 
 
 def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: str = "auto"):
@@ -36,7 +35,7 @@ def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: s
       >>> bool((jax.jit(f)(x) == n).all())
       True
     """
-    c = prepare(x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend)
+    c = _prepare.prepare(x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend)
     if c.backend == "xla":
         return _xla.reduce_scatter(c.flat, c.place, c.wire, c.prescale, c.postscale)
     return _ffi.reduce_scatter(

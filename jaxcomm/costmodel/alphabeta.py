@@ -25,25 +25,7 @@ Examples:
 
 from __future__ import annotations
 
-import math
-
-
-def check_ranks(name: str, value) -> int:
-    """Validates a rank count: an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
-    return value
-
-
-def check_nonnegative(name: str, value) -> float:
-    """Validates a finite number >= 0 (a size, a latency or a time per byte)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r} must be a number")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value} must be finite and >= 0")
-    return float(value)
+from jaxcomm._validate import check_nonnegative, check_ranks
 
 
 def ring_allreduce_time(nbytes: float, *, p: int, alpha: float, beta: float) -> float:

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxcomm._validate import check_nonnegative, check_ranks
 from jaxcomm.costmodel.alphabeta import (
-    check_nonnegative,
-    check_ranks,
     hierarchical_allreduce_time,
     ring_allreduce_time,
     tree_allreduce_time,

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from jaxcomm._validate import check_int, check_positive
 from jaxcomm.costmodel.simulator import GradientTensor, Workload
 
 BATCHNORM_FLOPS_PER_ELEMENT = 4
@@ -108,10 +109,8 @@ class ModelProfile:
           >>> round(w.forward_time + w.backward_time, 6)
           0.1
         """
-        if images_per_second <= 0:
-            raise ValueError(f"images_per_second={images_per_second} must be > 0")
-        if batch < 1:
-            raise ValueError(f"batch={batch} must be >= 1")
+        check_positive("images_per_second", images_per_second)
+        check_int("batch", batch, minimum=1)
         compute = batch / images_per_second
         backward = compute * (1 - FORWARD_SHARE)
         tensors = []

@@ -43,13 +43,14 @@ import math
 
 import numpy as np
 
-from jaxcomm.costmodel.alphabeta import check_nonnegative
+from jaxcomm._validate import check_bucket_bytes, check_fraction, check_int, check_nonnegative
+from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
-from jaxcomm.transforms._buckets import check_bucket_bytes, plan_buckets
+from jaxcomm.transforms import plan_buckets
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
-CSC_CHUNK_ELEMENTS = 32768  # GradientFlow's chunk size
+CSC_CHUNK_ELEMENTS = DEFAULT_CHUNK_SIZE  # GradientFlow's chunk size, as chunk_sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +67,7 @@ class GradientTensor:
     backward_time: float
 
     def __post_init__(self):
-        if isinstance(self.elements, bool) or not isinstance(self.elements, int):
-            raise TypeError(f"elements={self.elements!r} must be an int")
-        if self.elements < 0:
-            raise ValueError(f"elements={self.elements} must be >= 0")
+        check_int("elements", self.elements, minimum=0)
         check_nonnegative("backward_time", self.backward_time)
 
 
@@ -89,8 +87,7 @@ class Workload:
 
     def __post_init__(self):
         check_nonnegative("forward_time", self.forward_time)
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"batch={self.batch!r} must be an int >= 1")
+        check_int("batch", self.batch, minimum=1)
 
     @property
     def backward_time(self) -> float:
@@ -132,10 +129,8 @@ class Settings:
 
     def __post_init__(self):
         check_bucket_bytes(self.bucket_bytes)
-        if not isinstance(self.density, (int, float)) or not 0 < self.density <= 1:
-            raise ValueError(f"density={self.density!r} must be in (0, 1]")
-        if self.chunk_elements < 1:
-            raise ValueError(f"chunk_elements={self.chunk_elements} must be >= 1")
+        check_fraction("density", self.density, zero=False)
+        check_int("chunk_elements", self.chunk_elements, minimum=1)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r} must be one of {ALGORITHMS}")
         self.wire_itemsize  # noqa: B018 -- validates wire_dtype

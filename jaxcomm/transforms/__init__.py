@@ -1,12 +1,9 @@
 """Optax gradient transformations that communicate: dense allreduce and chunk-sparse."""
 
+from jaxcomm.collectives import DEFAULT_BUCKET_BYTES
 from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
-from jaxcomm.transforms.allreduce_gradients import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceGradientsState,
-    allreduce_gradients,
-)
+from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 
 __all__ = [

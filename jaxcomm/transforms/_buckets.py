@@ -9,17 +9,9 @@ listed in the order they close, which is the order they become ready.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 
-
-def check_bucket_bytes(bucket_bytes) -> float:
-    """Validates the fusion threshold θ: 0, a positive number, or math.inf."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, float)):
-        raise TypeError(f"bucket_bytes={bucket_bytes!r} must be a number of bytes or math.inf")
-    if math.isnan(bucket_bytes) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 0 (0: one collective per leaf)")
-    return float(bucket_bytes)
+from jaxcomm._validate import check_bucket_bytes
 
 
 def plan_buckets(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import _axes
+from jaxcomm.collectives import Reduction
 
 
 class PerDevice(NamedTuple):
@@ -74,27 +74,14 @@ def get_stats(opt_state) -> CommStats:
     return found[0]
 
 
-def wire_bytes(payload: jax.Array, shape: tuple, algorithm: str) -> jax.Array:
-    """Per-device bytes on the wire for an allreduce of `payload` bytes over a
-    mesh of `shape` (the reduced axes), as in CommStats.bytes_sent. Every
-    algorithm but "hierarchical" counts as one flat allreduce."""
-    payload = jnp.asarray(payload, jnp.float32)
-    if algorithm == "hierarchical":
-        inter, intra = shape
-        return payload * (2 * (intra - 1) / intra + 2 * (inter - 1) / (inter * intra))
-    n = math.prod(shape)
-    return payload * (2 * (n - 1) / n)
-
-
-def devices_on(axis_name) -> tuple[int, bool]:
-    """(rows a PerDevice leaf gets at init, whether the axes are bound here).
+def devices_on(comm: Reduction) -> tuple[int, bool]:
+    """(rows a PerDevice leaf gets at init, whether `comm`'s axes are bound here).
 
     Inside shard_map or pmap each device builds its own row; outside, the
     active mesh (``jax.set_mesh``) says how many devices there are.
     """
-    axes = _axes.normalize(axis_name)
-    bound = _axes.bound_axes()
-    if all(a in bound for a in axes):
+    axes = comm.axes
+    if comm.is_bound():
         return 1, True
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)

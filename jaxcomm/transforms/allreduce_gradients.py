@@ -14,20 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.collectives import _axes, _checks, _frontend, _xla
-from jaxcomm.collectives.allreduce import allreduce
+from jaxcomm._validate import check_bucket_bytes
+from jaxcomm.collectives import reduction
 from jaxcomm.transforms import _state
-from jaxcomm.transforms._buckets import check_bucket_bytes, plan_buckets
-
-# The ffi default, 4 MiB: big enough that per-collective latency is a small
-# part of a bucket's time on Ethernet-class networks (alpha ~ 10-50 us, 4 MiB
-# ~ 3 ms at 10 Gbps), small enough that ResNet-50's 100 MB of gradients make
-# ~25 buckets, so the first ones can travel while backward still runs. The
-# xla backend defaults to one collective per leaf: XLA's all-reduce combiner
-# fuses those without copying, where our buckets cost a concatenate and a
-# split (bench/overhead.py: 1.03x a per-leaf pmean unfused, 1.78x in 4 MiB
-# buckets, ResNet-50 shapes on 8 CPU devices).
-DEFAULT_BUCKET_BYTES = 4 * 2**20
+from jaxcomm.transforms._buckets import plan_buckets
 
 
 class AllReduceGradientsState(NamedTuple):
@@ -130,25 +120,23 @@ def allreduce_gradients(
       >>> int(jaxcomm.get_stats(state).collectives)
       1
     """
-    _checks.check_choice("op", op, _checks.OPS)
-    axes = _axes.normalize(axis_name)
-    # Only what needs no platform is checked here: looking for the ffi
-    # handler makes JAX start its backends, which jax.distributed.initialize
-    # must precede, so that waits for the first step.
-    _frontend.check_algorithm(algorithm, _frontend.known_backend(backend), axes)
-    wire = _checks.check_wire_dtype(wire_dtype)
+    comm = reduction(axis_name, op=op, wire_dtype=wire_dtype, algorithm=algorithm, backend=backend)
     if bucket_bytes is not None:
         check_bucket_bytes(bucket_bytes)
-    narrow = wire is not None and wire.itemsize < 4
-    if error_feedback and not narrow:
+    if error_feedback and not comm.narrow:
+        wire = comm.wire_dtype
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "
             f"it needs wire_dtype=float16 or bfloat16, got {None if wire is None else wire.name}"
         )
-    reduce_opts = dict(algorithm=algorithm, backend=backend, wire_dtype=wire)
+    # A narrow wire always divides by N before the cast, so float16 cannot
+    # overflow; a sum is scaled back by N after.
+    scale_back = comm.narrow and op == "sum"
+    if comm.narrow:
+        comm = comm.with_op("mean")
 
     def init(params):
-        rows = _state.devices_on(axes)[0] if error_feedback else 0
+        rows = _state.devices_on(comm)[0] if error_feedback else 0
         return AllReduceGradientsState(
             residual=_state.per_device_zeros(params, rows) if error_feedback else (),
             buffer=jax.tree.map(jnp.zeros_like, params) if double_buffering else (),
@@ -157,26 +145,20 @@ def allreduce_gradients(
 
     def update(updates, state, params=None):
         del params
-        for i, leaf in enumerate(jax.tree.leaves(updates)):
-            _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
-        n = _axes.placement(axes).size
-        resolved = _frontend.resolve_backend(backend)
-        schedule = _frontend.resolve_algorithm(algorithm, resolved, axes)
-        theta = check_bucket_bytes(
-            _default_bucket_bytes(resolved) if bucket_bytes is None else bucket_bytes
-        )
+        comm.check_dtypes(jax.tree.leaves(updates))
+        bound = comm.bind()
+        theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
         grads = updates
         if error_feedback:
             grads = jax.tree.map(jnp.add, grads, _state.local(state.residual))
         leaves, treedef = jax.tree.flatten(grads)
-        reduced, payload, count = _reduce_in_buckets(leaves, axes, n, op, theta, reduce_opts)
+        reduced, payload, count = _reduce_in_buckets(leaves, bound, theta, scale_back)
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = _any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
         residual = state.residual
         if error_feedback:
-            scale = _wire_scale(wire, n, resolved, schedule)
-            dropped = jax.tree.map(lambda v: _cast_error(v, wire, scale), grads)
+            dropped = jax.tree.map(bound.cast_error, grads)
             # A non-finite step must not poison the residual for good.
             residual = _state.as_row(
                 jax.tree.map(
@@ -193,7 +175,7 @@ def allreduce_gradients(
 
         stats = _state.CommStats(
             payload_bytes=jnp.float32(payload),
-            bytes_sent=_state.wire_bytes(payload, _axes.sizes(axes), algorithm),
+            bytes_sent=bound.bytes_sent(payload),
             collectives=jnp.int32(count),
             density=jnp.float32(1),
             nonfinite=nonfinite,
@@ -203,56 +185,26 @@ def allreduce_gradients(
     return optax.GradientTransformation(init, update)
 
 
-def _default_bucket_bytes(backend: str) -> float:
-    """bucket_bytes=None for a resolved backend: per leaf on xla, whose
-    all-reduce combiner fuses without copies, DEFAULT_BUCKET_BYTES on ffi."""
-    return 0 if backend == "xla" else DEFAULT_BUCKET_BYTES
-
-
-def _reduce_in_buckets(leaves, axes, n, op, theta, opts):
+def _reduce_in_buckets(leaves, bound, theta, scale_back: bool):
     """One allreduce per bucket of the fusion plan; returns (reduced leaves,
     payload bytes, number of collectives)."""
-    wire = opts["wire_dtype"]
     dtypes = [np.dtype(jnp.result_type(leaf)) for leaf in leaves]
     sizes = [int(np.size(leaf)) for leaf in leaves]
     buckets = plan_buckets(
         [s * d.itemsize for s, d in zip(sizes, dtypes, strict=True)], theta, kinds=dtypes
     )
-    narrow = wire is not None and wire.itemsize < 4
-    # A narrow wire always divides by N before the cast; a sum is scaled back.
-    bucket_op = "mean" if narrow else op
-    scale_back = n if (narrow and op == "sum") else None
-
     out = list(leaves)  # zero-size leaves are in no bucket and come back as they are
     payload = 0
     for bucket in buckets:
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in bucket])
-        # The bucket is an intermediate of the step: the result may take its buffer.
-        red = allreduce(flat, axes, op=bucket_op, in_place=True, **opts)
-        if scale_back is not None:
-            red = (red.astype(_xla.accumulator(red.dtype)) * scale_back).astype(red.dtype)
-        payload += flat.size * (dtypes[bucket[0]] if wire is None else wire).itemsize
+        red = bound.allreduce_bucket([leaves[i] for i in bucket])
+        if scale_back:
+            red = bound.sum_from_mean(red)
+        payload += bound.payload_bytes(red.size, dtypes[bucket[0]])
         offset = 0
         for i in bucket:
             out[i] = red[offset : offset + sizes[i]].reshape(jnp.shape(leaves[i]))
             offset += sizes[i]
     return out, payload, len(buckets)
-
-
-def _wire_scale(wire, n: int, backend: str, algorithm: str) -> float:
-    """1 / the prescale the collective applies before a narrow wire cast: N,
-    or a power of two >= 2N on the paths where XLA adds in float16."""
-    if backend == "xla" and algorithm in _xla.ADDS_IN_WIRE:
-        return 1.0 / _xla.headroom_scales(wire, n, 1.0 / n, 1.0)[0]
-    return n
-
-
-def _cast_error(v, wire, scale: float):
-    """What the wire cast drops from v: v - decast(cast(v / scale)) * scale,
-    computed exactly as the collectives cast (scale in the accumulator type)."""
-    acc = _xla.accumulator(v.dtype)
-    sent = _xla.to_wire(v, wire, 1.0 / scale).astype(acc) * scale
-    return (v.astype(acc) - sent).astype(v.dtype)
 
 
 def _any_nonfinite(tree) -> jax.Array:

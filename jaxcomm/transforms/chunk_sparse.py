@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from jaxcomm.collectives import _axes, _checks, _frontend
-from jaxcomm.collectives.allreduce import allreduce
+from jaxcomm import _validate
+from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, reduction
 from jaxcomm.transforms import _state
 
 
@@ -49,7 +48,7 @@ def chunk_sparse(
     axis_name,
     *,
     density: float,
-    chunk_size: int = _frontend.DEFAULT_CHUNK_SIZE,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     warmup_steps: int = 0,
     residual_decay: float = 0.9,
     wire_dtype=None,
@@ -134,23 +133,28 @@ def chunk_sparse(
         raise TypeError(
             f"inner={inner!r} must be an optax.GradientTransformation, e.g. optax.sgd(0.1)"
         )
-    density, chunk_size, warmup_steps, residual_decay = _check_options(
-        density, chunk_size, warmup_steps, residual_decay
+    density = _validate.check_fraction("density", density, zero=False)
+    exchange = reduction(
+        axis_name,
+        op="mean",
+        wire_dtype=wire_dtype,
+        algorithm=algorithm,
+        backend=backend,
+        masked=True,
+        chunk_size=chunk_size,
     )
-    _checks.check_choice("backend", backend, _checks.BACKENDS)
-    wire = _checks.check_wire_dtype(wire_dtype)
-    axes = _axes.normalize(axis_name)
-    # What can be checked without the platform; a missing ffi handler is
-    # reported at the first step (resolving the backend here would make JAX
-    # pick its backend before jax.distributed.initialize).
-    _frontend.check_algorithm(algorithm, backend, axes)
+    chunk_size = exchange.chunk_size
+    warmup_steps = _validate.check_count("warmup_steps", warmup_steps)
+    residual_decay = _validate.check_fraction("residual_decay", residual_decay, zero=True)
+    # The norms go the same way as the chunks: 'auto' resolves as for a mask.
+    norm_sum = reduction(axis_name, op="sum", backend=backend, masked=True)
 
     def init(params):
         leaves = jax.tree.leaves(params)
         pool = _pool_dtype(leaves)
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = max(1, -(-size // chunk_size))
-        rows = _state.devices_on(axes)[0]
+        rows = _state.devices_on(exchange)[0]
         return ChunkSparseState(
             inner=inner.init(params),
             residual=_state.PerDevice(jnp.zeros((rows, size), pool)),
@@ -161,10 +165,8 @@ def chunk_sparse(
 
     def update(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates)
-        for i, leaf in enumerate(leaves):
-            _checks.check_input_dtype(f"gradient leaf {i}", jnp.result_type(leaf))
-        place = _axes.placement(axes)
-        be = _frontend.resolve_backend(backend, masked=True)
+        exchange.check_dtypes(leaves)
+        bound = exchange.bind()
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = state.mask.shape[0]
         if size == 0:  # nothing to exchange: no collective, only the inner step
@@ -174,9 +176,7 @@ def chunk_sparse(
         g = _to_pool(leaves, _pool_dtype(leaves)) + _state.local(state.residual)
         elem_mask = _elements(state.mask, chunk_size, size)
         # Important chunks averaged (the same on every device), zeros elsewhere.
-        exchanged, payload = _exchange(
-            g, state.mask, axes, chunk_size, density, be, wire=wire, algorithm=algorithm
-        )
+        exchanged, payload = bound.exchange(g, state.mask, max_chunks=_selected(density, nchunks))
         unsent = jnp.where(elem_mask, jnp.zeros((), g.dtype), g)
         residual = (residual_decay * unsent).astype(g.dtype)
 
@@ -184,9 +184,9 @@ def chunk_sparse(
         # An important chunk holds the average on every device: count it once.
         norms = (
             _chunk_l1(unsent, nchunks, chunk_size)
-            + _chunk_l1(exchanged, nchunks, chunk_size) / place.size
+            + _chunk_l1(exchanged, nchunks, chunk_size) / bound.size
         )
-        norms = allreduce(norms, axes, op="sum", backend=be)
+        norms = norm_sum.bind().allreduce(norms)
         next_density = _density(state.count + 1, density, warmup_steps)
         next_mask = _top_chunks(norms, next_density)
 
@@ -200,8 +200,7 @@ def chunk_sparse(
         norm_payload = nchunks * 4
         stats = _state.CommStats(
             payload_bytes=(payload + norm_payload).astype(jnp.float32),
-            bytes_sent=_state.wire_bytes(payload, place.shape, algorithm)
-            + _state.wire_bytes(norm_payload, place.shape, algorithm),
+            bytes_sent=bound.bytes_sent(payload) + bound.bytes_sent(norm_payload),
             collectives=jnp.int32(2),
             density=jnp.mean(state.mask.astype(jnp.float32)),
             nonfinite=nonfinite,
@@ -221,25 +220,6 @@ def chunk_sparse(
         return upd, new
 
     return optax.GradientTransformation(init, update)
-
-
-def _check_options(density, chunk_size, warmup_steps, residual_decay) -> tuple:
-    """Validates the numeric options; returns them as Python numbers (NumPy
-    scalars are accepted)."""
-    if not _is_real(density) or not 0 < density <= 1:
-        raise ValueError(f"density={density!r} must be in (0, 1]")
-    if not _checks.is_integer(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-    if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
-    if not _is_real(residual_decay) or not 0 <= residual_decay <= 1:
-        raise ValueError(f"residual_decay={residual_decay!r} must be in [0, 1]")
-    return float(density), int(chunk_size), int(warmup_steps), float(residual_decay)
-
-
-def _is_real(value) -> bool:
-    """A Python or NumPy real number; bool is not. NaN fails every range check."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _pool_dtype(leaves):
@@ -278,7 +258,11 @@ def _density(step, final: float, warmup: int):
 
 
 def _selected(density, nchunks: int):
-    """How many chunks a density selects: ceil, at least one."""
+    """How many chunks a density selects: the ceiling, at least one. A Python
+    float gives a Python int (a static bound, float64 arithmetic); a traced
+    density an int32 array."""
+    if isinstance(density, float):
+        return min(max(math.ceil(density * nchunks - 1e-6), 1), nchunks)
     k = jnp.ceil(density * nchunks - 1e-6).astype(jnp.int32)
     return jnp.clip(k, 1, nchunks)
 
@@ -295,43 +279,6 @@ def _top_chunks(norms, density):
 def _chunk_l1(pool, nchunks: int, chunk_size: int):
     a = jnp.abs(pool.astype(jnp.float32))
     return jnp.pad(a, (0, nchunks * chunk_size - a.size)).reshape(nchunks, chunk_size).sum(1)
-
-
-def _exchange(g, mask, axes, chunk_size, density, backend, *, wire, algorithm):
-    """Averages the masked chunks of g over the devices (zeros elsewhere);
-    returns the result and the payload bytes this device sent (float32)."""
-    size, nchunks = g.size, mask.shape[0]
-    itemsize = (np.dtype(g.dtype) if wire is None else wire).itemsize
-    opts = dict(
-        op="mean",
-        wire_dtype=wire,
-        algorithm=algorithm,
-        backend=backend,
-        chunk_size=chunk_size,
-        unselected="zero",
-    )
-    if backend == "ffi":
-        lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
-        payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
-        return allreduce(g, axes, chunk_mask=mask, **opts), payload
-    # xla packs under a static bound: the final density's chunk count, or
-    # (during warm-up and at step 0) all chunks.
-    bound = int(math.ceil(density * nchunks - 1e-6)) if nchunks else 1
-    bound = min(max(bound, 1), nchunks)
-    if bound == nchunks:
-        return allreduce(g, axes, chunk_mask=mask, **opts), jnp.float32(
-            nchunks * chunk_size * itemsize
-        )
-    many = jnp.sum(mask) > bound
-    reduced = lax.cond(
-        many,
-        lambda v: allreduce(v, axes, chunk_mask=mask, **opts),
-        lambda v: allreduce(v, axes, chunk_mask=mask, max_chunks=bound, **opts),
-        g,
-    )
-    # Bytes in float32: an int32 count overflows at 2 GiB of payload.
-    payload = jnp.where(many, nchunks, bound).astype(jnp.float32) * (chunk_size * itemsize)
-    return reduced, payload
 
 
 def _hold_unselected(new, old, masks):

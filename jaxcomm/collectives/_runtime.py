@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxcomm import _validate
 from jaxcomm.collectives import _ffi
 
 
@@ -19,12 +20,11 @@ def set_ffi_timeout(seconds: float) -> None:
     call fail with an error naming the missing ranks, instead of hanging.
     Default 60 s. Applies to calls made after this, in compiled code too.
     """
-    if not seconds > 0:
-        raise ValueError(f"seconds={seconds!r} must be positive")
-    _ext().set_timeout(float(seconds))
+    seconds = _validate.check_positive("seconds", seconds)
+    _ext().set_timeout(seconds)
     cuda = _ffi._cuda_extension()
     if cuda is not None:  # NCCL set-up and collectives: abort the communicator after this
-        cuda.set_timeout(float(seconds))
+        cuda.set_timeout(seconds)
 
 
 def get_ffi_timeout() -> float:

@@ -1,0 +1,60 @@
+"""Which backend and which schedule a collective runs: 'auto' resolved.
+
+Resolution happens in two stages because JAX starts its backends on first
+use, which jax.distributed.initialize must precede: what needs no platform is
+decided (and checked) when a transform is built, the rest at trace time.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxcomm.collectives import _checks, _ffi
+
+
+def known_backend(backend: str, *, masked: bool = False) -> str:
+    """The backend as far as it is decided without the platform: 'auto' is
+    'xla' for plain collectives and stays 'auto' with a chunk mask. An 'ffi'
+    here has not been checked for its handler yet."""
+    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    return "xla" if backend == "auto" and not masked else backend
+
+
+def resolve_backend(backend: str, *, masked: bool = False) -> str:
+    """'auto' is 'xla' for plain collectives: on CPU lax.psum is as fast as the
+    ffi direct schedule from 16 MiB up and faster below (bench/allreduce.py).
+    With a chunk mask it is 'ffi' where available, the only backend that
+    sends just the selected chunks without a static bound."""
+    backend = known_backend(backend, masked=masked)
+    if backend == "auto":
+        # The CPU transport meets devices inside one process only.
+        single = jax.process_count() == 1
+        return "ffi" if single and _ffi.available() else "xla"
+    if backend == "ffi":
+        _ffi.require()
+    return backend
+
+
+def check_algorithm(algorithm: str, backend: str, axes: tuple) -> None:
+    """The algorithm checks that need no platform (backend may still be
+    'auto'), so they can run when a transform is built."""
+    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
+    if algorithm == "hierarchical" and len(axes) != 2:
+        raise ValueError(
+            f"algorithm='hierarchical' needs axis_name=(inter_axis, intra_axis), got {axes!r}"
+        )
+    if algorithm == "direct" and backend == "xla":
+        raise ValueError(
+            "algorithm='direct' is the shared-memory schedule of backend='ffi'; "
+            "with backend='xla' use 'auto' (lax.psum), 'ring' or 'hierarchical'"
+        )
+
+
+def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
+    """`backend` is resolved ('xla' or 'ffi')."""
+    check_algorithm(algorithm, backend, axes)
+    if algorithm == "auto":
+        # On one host the direct schedule beats the ring (see bench/allreduce.py);
+        # XLA picks its own all-reduce algorithm.
+        return "direct" if backend == "ffi" else "psum"
+    return algorithm

@@ -1,0 +1,245 @@
+"""Reduction: an allreduce described once, checked when it is built, bound when traced.
+
+What the transforms need from the collectives goes through here: they build
+a :class:`Reduction` with :func:`reduction` when they are built (no JAX
+backend starts: jax.distributed.initialize may come later) and call
+:meth:`Reduction.bind` inside ``shard_map`` / ``pmap`` at trace time, where
+the axis sizes, the backend and the schedule are known. The
+:class:`BoundReduction` then reduces buckets, exchanges masked chunks, and
+says what its wire costs and drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm import _validate
+from jaxcomm.collectives import _allreduce, _backend, _checks, _scales, _xla
+from jaxcomm.collectives._axes import AxisPlacement, bound_axes, normalize, placement
+
+DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
+
+# The ffi default, 4 MiB: big enough that per-collective latency is a small
+# part of a bucket's time on Ethernet-class networks (alpha ~ 10-50 us, 4 MiB
+# ~ 3 ms at 10 Gbps), small enough that ResNet-50's 100 MB of gradients make
+# ~25 buckets, so the first ones can travel while backward still runs. The
+# xla backend defaults to one collective per leaf: XLA's all-reduce combiner
+# fuses those without copying, where our buckets cost a concatenate and a
+# split (bench/overhead.py: 1.03x a per-leaf pmean unfused, 1.78x in 4 MiB
+# buckets, ResNet-50 shapes on 8 CPU devices).
+DEFAULT_BUCKET_BYTES = 4 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """An allreduce's options, checked; build it with :func:`reduction`.
+
+    Attributes:
+      axes: the reduced axis names, outermost first.
+      op: ``"sum"`` or ``"mean"``.
+      wire_dtype: the dtype that travels, or ``None`` for the input's.
+      algorithm: as given (``"auto"`` is resolved by :meth:`bind`).
+      backend: as given (``"auto"`` is resolved by :meth:`bind`).
+      masked: chunk masks will be exchanged, so ``backend="auto"`` prefers
+        ffi, the backend that sends only the selected chunks.
+      chunk_size: elements per chunk of a mask.
+    """
+
+    axes: tuple
+    op: str
+    wire_dtype: np.dtype | None
+    algorithm: str
+    backend: str
+    masked: bool
+    chunk_size: int
+
+    @property
+    def narrow(self) -> bool:
+        """A 16-bit wire: it rounds float32 values (what error feedback keeps)."""
+        return _scales.is_narrow(self.wire_dtype)
+
+    def with_op(self, op: str) -> Reduction:
+        return dataclasses.replace(self, op=op)
+
+    def check_dtypes(self, leaves, argument: str = "gradient leaf") -> None:
+        """Raises TypeError naming the first leaf of a dtype the collectives do not take."""
+        for i, leaf in enumerate(leaves):
+            _checks.check_input_dtype(f"{argument} {i}", jnp.result_type(leaf))
+
+    def is_bound(self) -> bool:
+        """Whether all of :attr:`axes` are bound here (inside shard_map / pmap)."""
+        bound = bound_axes()
+        return all(a in bound for a in self.axes)
+
+    def bind(self) -> BoundReduction:
+        """Resolves the backend and the schedule for the axes bound here.
+
+        Raises:
+          NameError: an axis is not bound here.
+          RuntimeError: ``backend="ffi"`` has no handler on this platform.
+        """
+        backend = _backend.resolve_backend(self.backend, masked=self.masked)
+        place = placement(self.axes)
+        algorithm = _backend.resolve_algorithm(self.algorithm, backend, self.axes)
+        return BoundReduction(self, place, backend, algorithm)
+
+
+def reduction(
+    axis_name,
+    *,
+    op: str = "sum",
+    wire_dtype=None,
+    algorithm: str = "auto",
+    backend: str = "auto",
+    masked: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Reduction:
+    """Checks an allreduce's options without starting a JAX backend.
+
+    Args:
+      axis_name: axis name or tuple of names, as in :func:`jaxcomm.allreduce`.
+      op, wire_dtype, algorithm, backend: as in :func:`jaxcomm.allreduce`.
+      masked: chunk masks will be exchanged (``backend="auto"`` then prefers ffi).
+      chunk_size: elements per chunk; checked only when ``masked``.
+
+    Returns:
+      A :class:`Reduction`.
+
+    Examples:
+      >>> from jaxcomm.collectives import reduction
+      >>> r = reduction("data", op="mean", wire_dtype="float16")
+      >>> r.axes, r.wire_dtype.name, r.narrow
+      (('data',), 'float16', True)
+      >>> reduction("data", op="max")
+      Traceback (most recent call last):
+      ...
+      ValueError: op='max' is not supported; use one of ('sum', 'mean')
+    """
+    axes = normalize(axis_name)
+    known = _backend.known_backend(backend, masked=masked)
+    wire = _checks.check_wire_dtype(wire_dtype)
+    _checks.check_choice("op", op, _checks.OPS)
+    _backend.check_algorithm(algorithm, known, axes)
+    if masked:
+        chunk_size = _validate.check_positive_integer("chunk_size", chunk_size)
+    return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size)
+
+
+class BoundReduction(NamedTuple):
+    """A :class:`Reduction` at trace time: axis sizes, backend and schedule known.
+
+    Attributes:
+      reduction: what was asked for.
+      place: this device's place on the reduced axes.
+      backend: ``"xla"`` or ``"ffi"``.
+      algorithm: the schedule: ``"psum"`` (XLA's own), ``"ring"``,
+        ``"hierarchical"`` or ``"direct"``.
+    """
+
+    reduction: Reduction
+    place: AxisPlacement
+    backend: str
+    algorithm: str
+
+    @property
+    def size(self) -> int:
+        """Devices on the reduced axes (N)."""
+        return self.place.size
+
+    @property
+    def default_bucket_bytes(self) -> float:
+        """The fusion threshold when none is given: one collective per leaf
+        on xla, whose all-reduce combiner fuses without copies;
+        ``DEFAULT_BUCKET_BYTES`` on ffi."""
+        return 0 if self.backend == "xla" else DEFAULT_BUCKET_BYTES
+
+    def scales(self, dtype) -> tuple[np.dtype, float, float]:
+        """(wire dtype, prescale, postscale) for an input of `dtype`."""
+        wire = _scales.wire_for(dtype, self.reduction.wire_dtype)
+        cast = wire != np.dtype(dtype)
+        return (wire, *_scales.scales(self.reduction.op, self.size, cast))
+
+    def payload_bytes(self, elements, dtype):
+        """Bytes this device puts into a collective of `elements` of `dtype`."""
+        return elements * self.scales(dtype)[0].itemsize
+
+    def bytes_sent(self, payload) -> jax.Array:
+        """Per-device bytes on the wire for an allreduce of `payload` bytes
+        under a bandwidth-optimal schedule: 2(N-1)/N x payload flat,
+        2(L-1)/L x payload + 2(M-1)/M x payload/L hierarchical (the
+        nccl-tests busbw convention)."""
+        payload = jnp.asarray(payload, jnp.float32)
+        if self.algorithm == "hierarchical":
+            inter, intra = self.place.shape
+            return payload * (2 * (intra - 1) / intra + 2 * (inter - 1) / (inter * intra))
+        n = self.size
+        return payload * (2 * (n - 1) / n)
+
+    def allreduce(self, x, **kwargs):
+        """:func:`jaxcomm.allreduce` of `x` with these options; keyword
+        arguments are its per-call ones (chunk_mask, max_chunks, unselected)."""
+        return _allreduce.allreduce(self, x, **kwargs)
+
+    def allreduce_bucket(self, parts):
+        """One collective over the concatenation of `parts` (arrays of one
+        dtype); returns the reduced flat bucket. The concatenation is a fresh
+        buffer, so the result may take it over where the schedule allows."""
+        flat = jnp.concatenate([jnp.ravel(p) for p in parts])
+        return _allreduce.allreduce(self, flat, in_place=True)
+
+    def exchange(self, x, mask, *, max_chunks: int):
+        """Reduces the chunks of flat `x` selected by `mask`, zeros elsewhere
+        (the same on every device); returns (result, payload bytes this device
+        sent, float32).
+
+        `max_chunks` is how many chunks are usually selected: the xla backend
+        packs that many (a static bound) and reduces all chunks when more are
+        selected; ffi sends exactly the selected ones.
+        """
+        size, nchunks, chunk_size = x.size, mask.shape[0], self.reduction.chunk_size
+        itemsize = self.scales(x.dtype)[0].itemsize
+        if self.backend == "ffi":
+            lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
+            payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
+            return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload
+        if max_chunks == nchunks:
+            full = self.allreduce(x, chunk_mask=mask, unselected="zero")
+            return full, jnp.float32(nchunks * chunk_size * itemsize)
+        many = jnp.sum(mask) > max_chunks
+        reduced = jax.lax.cond(
+            many,
+            lambda v: self.allreduce(v, chunk_mask=mask, unselected="zero"),
+            lambda v: self.allreduce(v, chunk_mask=mask, max_chunks=max_chunks, unselected="zero"),
+            x,
+        )
+        # Bytes in float32: an int32 count overflows at 2 GiB of payload.
+        payload = jnp.where(many, nchunks, max_chunks).astype(jnp.float32) * (chunk_size * itemsize)
+        return reduced, payload
+
+    def sum_from_mean(self, y):
+        """A mean reduced by this reduction, times N back to the sum: in the
+        type the collectives add in (float32, or float64 for float64), cast
+        back to y's dtype."""
+        return _xla.from_wire(y, y.dtype, self.size)
+
+    def cast_error(self, v):
+        """What the wire cast drops from v (a narrow wire's error feedback):
+        v - decast(cast(v * prescale)) / prescale, with the prescale this
+        reduction applies (1/N, or 2^-k with 2^k >= 2N where XLA adds in
+        float16), computed exactly as the collectives cast."""
+        scale = self._wire_scale()
+        acc = _xla.accumulator(v.dtype)
+        sent = _xla.to_wire(v, self.reduction.wire_dtype, 1.0 / scale).astype(acc) * scale
+        return (v.astype(acc) - sent).astype(v.dtype)
+
+    def _wire_scale(self):
+        """1 / the prescale before a narrow wire's cast."""
+        n = self.size
+        if self.backend == "xla" and self.algorithm in _xla.ADDS_IN_WIRE:
+            return 1.0 / _xla.headroom_scales(self.reduction.wire_dtype, n, 1.0 / n, 1.0)[0]
+        return n
