@@ -4,8 +4,10 @@ schedules or the ffi custom call, a chunk mask, and psum's derivatives."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxcomm.collectives import _checks, _ffi, _xla
+from jaxcomm.collectives._axes import is_vma_typed
 from jaxcomm.collectives._linear import linear_collective
 
 _XLA_ALGORITHMS = {
@@ -36,7 +38,12 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every
         # backend and schedule agrees on this.
-        return _xla.from_wire(flat, dtype, prescale * postscale).reshape(shape)
+        y = _xla.from_wire(flat, dtype, prescale * postscale)
+        if (chunk_mask is None or zero) and is_vma_typed(y, place.axes):
+            # Typed as replicated, as on more devices: a psum over one device
+            # moves nothing and XLA removes it.
+            y = lax.psum(y, place.axes)
+        return y.reshape(shape)
 
     if chunk_mask is not None:
         if backend == "ffi":
@@ -102,7 +109,9 @@ def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
     others keep their local values, or zeros (then the result is replicated)."""
     n = flat.size
     chunks = jnp.pad(flat, (0, nchunks * chunk_size - n)).reshape(nchunks, chunk_size)
-    rest = jnp.zeros_like(chunks) if zero else chunks
+    # Zeros typed as replicated (zeros_like would be varying), so that a zeroed
+    # result is replicated like the reduction and out_specs=P() accepts it.
+    rest = jnp.zeros(chunks.shape, chunks.dtype) if zero else chunks
     if max_chunks is None:
         reduced = reduce(chunks.reshape(-1)).reshape(nchunks, chunk_size)
         out = jnp.where(mask[:, None], reduced, rest)

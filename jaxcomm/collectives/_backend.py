@@ -27,9 +27,12 @@ def resolve_backend(backend: str, *, masked: bool = False) -> str:
     sends just the selected chunks without a static bound."""
     backend = known_backend(backend, masked=masked)
     if backend == "auto":
-        # The CPU transport meets devices inside one process only.
+        # The CPU transport meets devices inside one process only. On GPU the
+        # CUDA handlers have run on one GPU only (tools/gpu_check.sh), never
+        # across GPUs, so 'auto' does not choose them: xla packs under a bound.
         single = jax.process_count() == 1
-        return "ffi" if single and _ffi.available() else "xla"
+        on_cpu = jax.default_backend() == "cpu"
+        return "ffi" if single and on_cpu and _ffi.available() else "xla"
     if backend == "ffi":
         _ffi.require()
     return backend
@@ -50,11 +53,17 @@ def check_algorithm(algorithm: str, backend: str, axes: tuple) -> None:
         )
 
 
-def resolve_algorithm(algorithm: str, backend: str, axes: tuple) -> str:
-    """`backend` is resolved ('xla' or 'ffi')."""
+def resolve_algorithm(algorithm: str, backend: str, axes: tuple, *, narrow: bool = False) -> str:
+    """`backend` is resolved ('xla' or 'ffi'); `narrow`: a 16-bit wire."""
     check_algorithm(algorithm, backend, axes)
     if algorithm == "auto":
-        # On one host the direct schedule beats the ring (see bench/allreduce.py);
-        # XLA picks its own all-reduce algorithm.
-        return "direct" if backend == "ffi" else "psum"
+        if backend == "ffi":
+            # On one host the direct schedule beats the ring (bench/allreduce.py).
+            return "direct"
+        if narrow and jax.process_count() > 1 and jax.default_backend() == "cpu":
+            # Across processes on CPU, lax.psum runs in gloo, which adds
+            # float16 slowly and gets bfloat16 widened to float32 by XLA; the
+            # ring sends 16 bits and adds in float32 (bench/network.py).
+            return "ring"
+        return "psum"  # XLA picks its own all-reduce algorithm
     return algorithm

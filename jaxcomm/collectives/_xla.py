@@ -76,6 +76,27 @@ def from_wire(y, dtype, postscale: float):
     return y.astype(dtype)
 
 
+def _as_bits(x):
+    """16-bit floats travel as their bits (uint16): XLA's CPU compiler widens
+    a bfloat16 collective-permute or all-gather to float32, which doubles the
+    bytes on the wire (visible in the compiled HLO), and moving bits needs no
+    arithmetic in the wire type."""
+    return lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
+
+
+def _from_bits(x, dtype):
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _ppermute(x, axes, perm):
+    return _from_bits(lax.ppermute(_as_bits(x), axes, perm), x.dtype)
+
+
+def _all_gather(x, axes, *, to: str):
+    """Tiled all-gather of the ring's and the hierarchy's reduced shards."""
+    return _from_bits(lax.all_gather(_as_bits(x), axes, tiled=True, to=to), x.dtype)
+
+
 def _pad_to(x, multiple: int):
     padded = -(-x.size // multiple) * multiple
     return jnp.pad(x, (0, padded - x.size)) if padded != x.size else x
@@ -103,14 +124,14 @@ def ring_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     right = [(i, (i + 1) % size) for i in range(size)]
     for s in range(size - 1):
         send = lax.dynamic_index_in_dim(acc, (r - s - 1) % size, keepdims=False)
-        recv = lax.ppermute(saturate(send, wire, prescale).astype(wire), place.axes, right)
+        recv = _ppermute(saturate(send, wire, prescale).astype(wire), place.axes, right)
         at = (r - s - 2) % size
         mine = lax.dynamic_index_in_dim(acc, at, keepdims=False)
         acc = lax.dynamic_update_index_in_dim(acc, mine + recv.astype(acc_t), at, 0)
     own = saturate(lax.dynamic_index_in_dim(acc, r, keepdims=False), wire, prescale)
     own = (own * postscale).astype(wire) if postscale != 1.0 else own.astype(wire)
     to = "invarying" if is_vma_typed(own, place.axes) else "varying"
-    gathered = lax.all_gather(own, place.axes, tiled=True, to=to)
+    gathered = _all_gather(own, place.axes, to=to)
     return gathered[:n].astype(x.dtype)
 
 
@@ -127,7 +148,7 @@ def hierarchical_allreduce(x, place: AxisPlacement, wire, prescale, postscale):
     shard = lax.psum(shard, inter)
     # Typed as replicated over both axes, like psum's result.
     to = "invarying" if is_vma_typed(shard, (intra,)) else "varying"
-    full = lax.all_gather(shard, intra, tiled=True, to=to)
+    full = _all_gather(shard, intra, to=to)
     return from_wire(full[:n], x.dtype, postscale)
 
 

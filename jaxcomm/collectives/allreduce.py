@@ -37,7 +37,9 @@ def allreduce(
         ``"hierarchical"`` (reduce-scatter inside ``intra_axis``, allreduce of
         the 1/L shard across ``inter_axis``, allgather inside ``intra_axis``),
         ``"direct"`` (ffi on CPU: each rank reads its peers' memory), or
-        ``"auto"`` (ffi: ``"direct"``; xla: ``lax.psum``).
+        ``"auto"`` (ffi: ``"direct"``; xla: ``lax.psum``, except with a
+        16-bit wire across processes on CPU, where it is ``"ring"``: gloo adds
+        float16 slowly and XLA widens a bfloat16 psum to float32).
       wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16`` or
         ``jnp.bfloat16``. Values travel in the wire dtype and are added in
         float32 (float64 for float64 input) at every hop. For ``op="mean"``
@@ -54,8 +56,8 @@ def allreduce(
         exceeds the float16 range it comes back inf.
       backend: ``"xla"`` (JAX collectives; any platform, many processes),
         ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except with a
-        ``chunk_mask`` where ffi (one process, handler present) sends only
-        the selected chunks.
+        ``chunk_mask`` where ffi (one process on CPU, handler present) sends
+        only the selected chunks.
       chunk_mask: optional boolean array of shape ``(ceil(x.size /
         chunk_size),)``, identical on every device. Only selected chunks of
         the flattened ``x`` are reduced; the others come back as the local

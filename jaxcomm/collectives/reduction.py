@@ -85,7 +85,9 @@ class Reduction:
         """
         backend = _backend.resolve_backend(self.backend, masked=self.masked)
         place = placement(self.axes)
-        algorithm = _backend.resolve_algorithm(self.algorithm, backend, self.axes)
+        algorithm = _backend.resolve_algorithm(
+            self.algorithm, backend, self.axes, narrow=self.narrow
+        )
         return BoundReduction(self, place, backend, algorithm)
 
 

@@ -1,0 +1,234 @@
+"""What the compiled program sends, and which path 'auto' takes, the way users call it.
+
+- A 16-bit wire travels as 16 bits: XLA's CPU compiler widens a bfloat16
+  collective-permute or all-gather to float32, so the xla ring moves the bits
+  (uint16). Checked in the compiled HLO, not in what we meant to send.
+- Across processes on CPU, ``algorithm="auto"`` with a 16-bit wire is the ring
+  (gloo adds float16 slowly; a bfloat16 psum is widened to float32).
+- ``backend="auto"`` never lowers to a jaxcomm custom call on GPU.
+- ``chunk_sparse(backend="xla")`` and a one-device mesh work with
+  ``out_specs=P()``, as the README writes the step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+N = 8
+# An HLO collective: "%name = TYPE[DIMS]{layout} OP(" with OP a collective.
+_COLLECTIVE = re.compile(
+    r"= (?P<type>[a-z0-9]+)\[(?P<dims>[0-9,]*)\][^ ]* "
+    r"(?P<op>all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all)(-start)?\("
+)
+
+
+def _collectives(compiled_text: str) -> list[tuple[str, str, int]]:
+    """(op, element type, elements) of every collective in a compiled HLO module."""
+    out = []
+    for m in _COLLECTIVE.finditer(compiled_text):
+        dims = [int(d) for d in m["dims"].split(",") if d]
+        out.append((m["op"], m["type"], int(np.prod(dims)) if dims else 1))
+    return out
+
+
+def _mesh():
+    return jax.make_mesh((N,), ("data",))
+
+
+def _allreduce_fn(mesh, **opts):
+    def f(x):
+        return jaxcomm.allreduce(x * 1.0, "data", op="mean", backend="xla", **opts)
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+
+def _sharded_input(mesh, n_per_device: int, seed: int = 0):
+    x = np.random.default_rng(seed).standard_normal((N, n_per_device)).astype(np.float32)
+    return x, jax.device_put(x.reshape(-1), NamedSharding(mesh, P("data")))
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_ring_sends_16_bits_per_element(wire):
+    mesh = _mesh()
+    n = 4096
+    _, x = _sharded_input(mesh, n)
+    f = _allreduce_fn(mesh, algorithm="ring", wire_dtype=wire)
+    found = _collectives(f.lower(x).compile().as_text())
+    assert found, "no collective in the compiled step"
+    # N-1 permutes of one chunk (n/N elements) and one all-gather of n.
+    permutes = [c for c in found if c[0] == "collective-permute"]
+    gathers = [c for c in found if c[0] == "all-gather"]
+    assert len(permutes) == N - 1 and len(gathers) == 1, found
+    for op, etype, _ in found:
+        assert etype in ("u16", "f16", "bf16"), f"{op} carries {etype}: {found}"
+    assert all(c[2] == n // N for c in permutes) and gathers[0][2] == n
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_ring_16_bit_result_matches_float64_within_the_wire_bound(wire):
+    mesh = _mesh()
+    xs, x = _sharded_input(mesh, 1000, seed=1)
+    got = np.asarray(_allreduce_fn(mesh, algorithm="ring", wire_dtype=wire)(x), np.float64)
+    want = xs.astype(np.float64).mean(0)
+    # Each value is rounded to the wire once per hop (N-1 hops of partial
+    # sums, one for the gathered result): relative rounding 2^-8 (bfloat16)
+    # or 2^-11 (float16) per rounding, of values at most sum|x_i|/N.
+    eps = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[wire]
+    bound = N * eps * np.abs(xs).astype(np.float64).mean(0) + 1e-7
+    assert np.all(np.abs(got - want) <= bound)
+    # The bits matter: a wrong bitcast gives garbage far outside the bound.
+    assert np.max(np.abs(got - want)) > 0
+
+
+def test_allreduce_gradients_stats_match_the_compiled_bytes():
+    """payload_bytes counts what this device puts into its collectives: with
+    a bfloat16 wire on the ring, that is 2 bytes a gradient element, which is
+    what the compiled permutes and all-gather carry."""
+    mesh = _mesh()
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype="bfloat16", algorithm="ring")
+    params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
+    state = tx.init(params)
+
+    def step(p, s, g):
+        upd, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return upd, s
+
+    grads = jax.tree.map(lambda a: jnp.ones((N, *a.shape)), params)
+    grads = jax.device_put(grads, NamedSharding(mesh, P("data")))
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    )
+    found = _collectives(f.lower(params, state, grads).compile().as_text())
+    gathered = sum(e for op, t, e in found if op == "all-gather")
+    assert {t for _, t, _ in found} == {"u16"}, found
+    _, state = f(params, state, grads)
+    stats = jaxcomm.get_stats(state)
+    elements = sum(a.size for a in jax.tree.leaves(params))
+    assert gathered == elements  # every element is gathered once, in 2 bytes
+    assert float(stats.payload_bytes) == 2 * elements
+
+
+def test_auto_is_the_ring_for_a_16_bit_wire_across_processes(monkeypatch):
+    mesh = _mesh()
+    _, x = _sharded_input(mesh, 256)
+
+    def ops(**opts):
+        return {
+            c[0] for c in _collectives(_allreduce_fn(mesh, **opts).lower(x).compile().as_text())
+        }
+
+    assert ops(wire_dtype="bfloat16") == {"all-reduce"}  # one process: lax.psum
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert ops(wire_dtype="bfloat16") == {"collective-permute", "all-gather"}
+    assert ops(wire_dtype="float16") == {"collective-permute", "all-gather"}
+    assert ops() == {"all-reduce"}  # float32 stays with gloo's psum
+
+
+def test_backend_auto_never_lowers_to_a_custom_call_on_gpu(monkeypatch):
+    """Until the CUDA handlers have run across GPUs, 'auto' keeps them out.
+    The platform is faked at trace time; the lowering is still for CPU, which
+    is enough to see which backend was chosen."""
+    mesh = _mesh()
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.25, chunk_size=16)
+    params = {"w": jnp.ones((64,))}
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, "data")
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+    def step(p, s, g):
+        return tx.update(g, s, p)
+
+    g = jax.device_put(jnp.ones((N * 64,)), NamedSharding(mesh, P("data")))
+    args = (params, state, {"w": g})
+
+    def custom_calls():
+        f = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+        )
+        return re.findall(r"custom_call @(\w+)", f.lower(*args).as_text())
+
+    assert any("jaxcomm" in c for c in custom_calls())  # CPU, one process: ffi
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not any("jaxcomm" in c for c in custom_calls())
+
+
+def _readme_step(tx, loss_fn):
+    def step(params, opt_state, x, y):
+        local = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.grad(loss_fn)(local, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _train(tx, mesh, steps=3):
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((40, 30)), jnp.float32), "b": jnp.zeros(30)}
+    devices = mesh.devices.size
+
+    def loss_fn(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+    specs = jaxcomm.state_specs(opt_state, "data")
+    opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    train_step = jax.jit(
+        jax.shard_map(
+            _readme_step(tx, loss_fn),
+            mesh=mesh,
+            in_specs=(P(), specs, P("data"), P("data")),
+            out_specs=(P(), specs),
+        )
+    )
+    batch = NamedSharding(mesh, P("data"))
+    for _ in range(steps):
+        x = jax.device_put(rng.standard_normal((4 * devices, 40)).astype(np.float32), batch)
+        y = jax.device_put(rng.standard_normal((4 * devices, 30)).astype(np.float32), batch)
+        params, opt_state = jax.block_until_ready(train_step(params, opt_state, x, y))
+    return params, opt_state
+
+
+def test_chunk_sparse_xla_runs_with_replicated_out_specs_and_matches_ffi():
+    mesh = _mesh()
+
+    def tx(backend):
+        return jaxcomm.chunk_sparse(
+            optax.sgd(0.05, momentum=0.9), "data", density=0.2, chunk_size=64, backend=backend
+        )
+
+    xla_params, xla_state = _train(tx("xla"), mesh)
+    ffi_params, _ = _train(tx("ffi"), mesh)
+    for a, b in zip(jax.tree.leaves(xla_params), jax.tree.leaves(ffi_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(jaxcomm.get_stats(xla_state).density) < 1
+
+
+def test_one_device_mesh_with_replicated_out_specs():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    x = jax.device_put(jnp.arange(6.0), NamedSharding(mesh, P("data")))
+    for backend in ("xla", "ffi"):
+        f = jax.jit(
+            jax.shard_map(
+                lambda v, b=backend: jaxcomm.allreduce(v, "data", op="mean", backend=b),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P(),
+            )
+        )
+        np.testing.assert_array_equal(np.asarray(f(x)), np.arange(6.0))
+    tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(0.1))
+    params, _ = _train(tx, mesh, steps=1)
+    assert np.all(np.isfinite(np.asarray(params["w"])))
