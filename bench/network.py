@@ -46,12 +46,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
+import network_worker  # noqa: E402  (imports JAX only when run)
 
 WORKER = os.path.join(REPO, "bench", "network_worker.py")
-ALL_CONFIGS = (
-    "dense,allreduce,bf16,bf16_ef,fp16,fp16_ef,fusion,hierarchical,double_buffering,"
-    "chunk_sparse,chunk_sparse_fp16"
-)
+ALL_CONFIGS = ",".join(network_worker.TRAIN_CONFIGS)
 QUICK = {
     "hosts": 2,
     "rate": "1gbit",
@@ -118,6 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rates = [netbed.parse_rate(r) for r in args.rate.split(",") if r.strip()]
     except ValueError as e:
         parser.error(str(e))
+    for flag, given, known in (
+        ("--paths", args.paths, network_worker.PATHS),
+        ("--wires", args.wires, network_worker.WIRES),
+        ("--configs", args.configs, network_worker.TRAIN_CONFIGS),
+    ):
+        unknown = [name for name in given.split(",") if name not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; choose from {','.join(known)}")
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts}: need at least 2")
     if args.devices_per_host is None:

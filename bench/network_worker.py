@@ -31,6 +31,8 @@ import time
 
 ROW_PREFIX = "@row "
 MIB = 1 << 20
+PATHS = ("auto", "ring", "hierarchical")  # jaxcomm.allreduce algorithms, xla backend
+WIRES = ("float32", "float16", "bfloat16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,10 +109,8 @@ def reducer(mesh, path: str, wire):
 
     import jaxcomm
 
-    algorithm = {"auto": "auto", "ring": "ring", "hierarchical": "hierarchical"}[path]
-
     def body(x):
-        return jaxcomm.allreduce(x, AXES, algorithm=algorithm, wire_dtype=wire, backend="xla")
+        return jaxcomm.allreduce(x, AXES, algorithm=path, wire_dtype=wire, backend="xla")
 
     # Every device's copy of the sum comes back, so nothing relies on the
     # result being typed as replicated.
