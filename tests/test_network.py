@@ -115,8 +115,10 @@ def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
     for r in timed:
         assert r["rate_bps"] == 10**9 and r["hosts"] == 2
         assert r["busbw_Bps"] == pytest.approx(2 * (2 - 1) / 2 * r["bytes"] / r["time_s"])
-        # The link is the limit (its burst lets a small message beat it a little).
-        assert 0 < r["link_fraction"] < 1.6, r
+        # The link is the limit; its burst lets a small message beat it a little,
+        # and a float16 wire carries each float32 byte in half a byte.
+        limit = 1.3 if r["wire"] == "float32" else 2.6
+        assert 0 < r["link_fraction"] < limit, r
     assert "ring" in done.stdout and "link %" in done.stdout
     _assert_torn_down(before)
 
