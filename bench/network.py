@@ -1,0 +1,287 @@
+"""Collectives and training across processes on shaped network links.
+
+Starts ``--hosts`` processes, each in its own network namespace on one
+bridge, every host's link shaped with ``tc tbf`` to ``--rate`` in both
+directions (``bench/netbed.py``), and runs one workload in them
+(``bench/network_worker.py``) with the variables ``python -m jaxcomm.launch``
+sets, the coordinator on host 0's link address. Everything lives in private
+namespaces and goes away with this command, on any exit.
+
+Before each workload one TCP stream from host 1 to host 0 measures what the
+shaped link really carries.
+
+Workloads:
+
+- ``allreduce``: every cross-process allreduce path (xla ``auto`` = gloo's
+  psum, xla ``ring`` over ppermute, ``hierarchical`` with 2 devices per
+  host), each with wire float32/float16/bfloat16, at 1, 4, 16, 64 MiB
+  float32 per device: median time, algbw = bytes/time, busbw =
+  2(H-1)/H x algbw for H hosts (what each host's link carries in a ring), and
+  busbw as a fraction of the link rate. Bytes are the float32 bytes reduced,
+  so a narrow wire can pass 100% (up to 200% for 2-byte wires); TCP/IP
+  headers cap float32 at ~96% with a 1500-byte MTU.
+- ``train``: a wide MLP (~21M parameters by default) trained with each
+  gradient exchange configuration: median step time, one step in flight.
+- ``check``: a float16/bfloat16-wire allreduce against a float64 NumPy sum.
+
+Needs root (namespaces); says so and exits 2 where they cannot be made.
+
+Usage::
+
+    python bench/network.py --workload allreduce --rate 100mbit,1gbit --json ar.json
+    python bench/network.py --workload train --rate 100mbit --hosts 4
+    python bench/network.py --check-link --rate 100mbit,1gbit,10gbit
+    python bench/network.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
+
+import netbed  # noqa: E402  (beside this file)
+import network_worker  # noqa: E402  (imports JAX only when run)
+
+WORKER = os.path.join(REPO, "bench", "network_worker.py")
+ALL_CONFIGS = ",".join(network_worker.TRAIN_CONFIGS)
+QUICK = {
+    "hosts": 2,
+    "rate": "1gbit",
+    "sizes_mib": "0.25,1",
+    "paths": "auto,ring",
+    "wires": "float32,float16",
+    "repeats": 2,
+    "configs": "dense,fp16,chunk_sparse",
+    "hidden": 256,
+    "features": 256,
+    "steps": 2,
+    "timeout": 300,
+}
+DEFAULTS = {
+    "hosts": 4,
+    "rate": "100mbit",
+    "sizes_mib": "1,4,16,64",
+    "paths": "auto,ring,hierarchical",
+    "wires": "float32,float16,bfloat16",
+    "repeats": 3,
+    "configs": ALL_CONFIGS,
+    "hidden": 4096,
+    "features": 1024,
+    "steps": 5,
+    "timeout": 3600,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", choices=("allreduce", "train", "check"), default="allreduce")
+    parser.add_argument("--hosts", type=int, help="processes, one per namespace (default 4)")
+    parser.add_argument(
+        "--devices-per-host",
+        type=int,
+        choices=(1, 2),
+        help="CPU devices per process; default 2 where a hierarchical path or config runs, else 1",
+    )
+    parser.add_argument(
+        "--rate", help="link rate(s), comma-separated: 100mbit,1gbit,10gbit (default 100mbit)"
+    )
+    parser.add_argument("--sizes-mib", help="allreduce sizes per device (default 1,4,16,64)")
+    parser.add_argument("--paths", help="allreduce paths (default auto,ring,hierarchical)")
+    parser.add_argument("--wires", help="wire dtypes (default float32,float16,bfloat16)")
+    parser.add_argument("--repeats", type=int, help="timed calls per allreduce (default 3)")
+    parser.add_argument("--configs", help=f"training configurations (default {ALL_CONFIGS})")
+    parser.add_argument("--steps", type=int, help="timed training steps (default 5)")
+    parser.add_argument("--hidden", type=int, help="MLP hidden width (default 4096)")
+    parser.add_argument("--features", type=int, help="MLP input width (default 1024)")
+    parser.add_argument("--batch-per-device", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="a run of a few minutes")
+    parser.add_argument("--check-link", action="store_true", help="only measure the links")
+    parser.add_argument("--json", help="write result rows to this file")
+    parser.add_argument("--timeout", type=float, help="seconds for the whole run (default 3600)")
+    parser.add_argument("--fail-rank", type=int, help=argparse.SUPPRESS)  # tests: teardown
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.rates = [netbed.parse_rate(r) for r in args.rate.split(",") if r.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    for flag, given, known in (
+        ("--paths", args.paths, network_worker.PATHS),
+        ("--wires", args.wires, network_worker.WIRES),
+        ("--configs", args.configs, network_worker.TRAIN_CONFIGS),
+    ):
+        unknown = [name for name in given.split(",") if name not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; choose from {','.join(known)}")
+    if args.hosts < 2:
+        parser.error(f"--hosts {args.hosts}: need at least 2")
+    if args.devices_per_host is None:
+        wants = args.paths if args.workload == "allreduce" else args.configs
+        args.devices_per_host = 2 if "hierarchical" in wants.split(",") else 1
+    return args
+
+
+def say(message: str):
+    print(f"network: {message}", file=sys.stderr, flush=True)
+
+
+def worker_argv(args) -> list[str]:
+    argv = [sys.executable, WORKER, "--workload", args.workload]
+    for flag in ("paths", "wires", "sizes_mib", "repeats", "configs", "steps", "hidden"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    argv += ["--features", str(args.features), "--batch-per-device", str(args.batch_per_device)]
+    if args.fail_rank is not None:
+        argv += ["--fail-rank", str(args.fail_rank)]
+    return argv
+
+
+def worker_env(args, bed: netbed.Testbed, host: int) -> dict:
+    from jaxcomm import launch
+
+    base = {k: v for k, v in os.environ.items() if k != netbed.INSIDE_ENV}
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, base.get("PYTHONPATH")]))
+    env = launch.process_env(
+        base,
+        rank=host,
+        num_processes=args.hosts,
+        port=netbed.COORDINATOR_PORT,
+        devices_per_process=args.devices_per_host,
+    )
+    env["JAXCOMM_COORDINATOR"] = f"{netbed.host_address(0)}:{netbed.COORDINATOR_PORT}"
+    env["JAXCOMM_SOCKET_IFNAME"] = bed.interface(host)  # gloo's interface
+    return env
+
+
+def add_rates(row: dict, rate_bps: int) -> dict:
+    """The row with the link rate, and for a timed allreduce its bandwidths."""
+    row = {"rate_bps": rate_bps, **row}
+    if "time_s" in row:
+        hosts = row["hosts"]
+        algbw = row["bytes"] / row["time_s"]
+        row["algbw_Bps"] = algbw
+        row["busbw_Bps"] = 2 * (hosts - 1) / hosts * algbw
+        row["link_fraction"] = row["busbw_Bps"] * 8 / rate_bps
+    return row
+
+
+def table(rows: list[dict], workload: str) -> str:
+    if workload == "allreduce":
+        head = (
+            f"{'path':<13}{'wire':<10}{'size':>9}{'time s':>10}{'algbw MB/s':>12}"
+            f"{'busbw MB/s':>12}{'link %':>8}"
+        )
+        lines = [head]
+        for r in rows:
+            size = f"{r['bytes'] / 2**20:g} MiB"
+            if "time_s" in r:
+                lines.append(
+                    f"{r['path']:<13}{r['wire']:<10}{size:>9}{r['time_s']:>10.4f}"
+                    f"{r['algbw_Bps'] / 1e6:>12.2f}{r['busbw_Bps'] / 1e6:>12.2f}"
+                    f"{100 * r['link_fraction']:>7.1f}%"
+                )
+            else:
+                lines.append(f"{r['path']:<13}{r['wire']:<10}{size:>9}  {r.get('error')}")
+        return "\n".join(lines)
+    if workload == "train":
+        lines = [f"{'config':<19}{'step s':>9}{'loss first -> last':>22}"]
+        for r in rows:
+            if "step_s" in r:
+                loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+                lines.append(f"{r['config']:<19}{r['step_s']:>9.3f}{loss:>22}")
+            else:
+                lines.append(f"{r['config']:<19}  {r.get('error')}")
+        return "\n".join(lines)
+    lines = [f"{'path':<13}{'wire':<10}{'max error / bound':>18}"]
+    for r in rows:
+        lines.append(f"{r['path']:<13}{r['wire']:<10}{r['max_error_over_bound']:>18.3g}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, rows: list[dict]):
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def run_inside(args) -> int:
+    netbed.install_interrupt_handlers()
+    deadline = time.monotonic() + args.timeout
+    all_rows: list[dict] = []
+    code = 0
+    try:
+        say(f"{args.hosts} hosts x {args.devices_per_host} CPU devices, tbf on both link ends")
+        with netbed.Testbed(args.hosts, args.rates[0]) as bed:
+            for rate in args.rates:
+                bed.set_rate(rate)
+                measured = netbed.measure_link(bed, seconds=2.0 if args.quick else 3.0)
+                link_row = {
+                    "rate_bps": rate,
+                    "hosts": args.hosts,
+                    "config": "link",
+                    "measured_bps": measured,
+                    "link_fraction": measured / rate,
+                }
+                all_rows.append(link_row)
+                print(
+                    f"\n== {netbed.format_rate(rate)} per host: one TCP stream measured "
+                    f"{measured / 1e6:.1f} Mbit/s ({100 * measured / rate:.1f}% of the rate)",
+                    flush=True,
+                )
+                if args.check_link:
+                    continue
+                say(f"{args.workload} at {netbed.format_rate(rate)}")
+                result = netbed.run_hosts(
+                    bed,
+                    worker_argv(args),
+                    lambda host: worker_env(args, bed, host),
+                    deadline=deadline,
+                )
+                rows = [add_rates(r, rate) for r in result.rows]
+                all_rows.extend(rows)
+                print(
+                    f"{args.workload}, {args.hosts} hosts x {args.devices_per_host} devices\n"
+                    + table(rows, args.workload),
+                    flush=True,
+                )
+                write_json(args.json, all_rows)
+                if result.code:
+                    say(f"{result.failed}; stopped")
+                    code = result.code
+                    break
+    except netbed.Interrupted as interrupt:
+        say(f"got {interrupt}; stopped every host and removed the namespaces")
+        code = 128 + interrupt.signum
+    except netbed.NetbedError as e:
+        say(f"could not build the testbed: {e}")
+        code = 2
+    write_json(args.json, all_rows)
+    return code
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.environ.get(netbed.INSIDE_ENV) == "1":
+        return run_inside(args)
+    reason = netbed.check_can_isolate()
+    if reason is not None:
+        say(f"cannot make network namespaces here: {reason}")
+        return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return netbed.run_isolated(
+        [sys.executable, os.path.abspath(__file__), *argv], timeout_s=args.timeout + 60
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""One host of ``bench/network.py``: joins the job, runs one workload, prints rows.
+
+Started by ``bench/network.py`` in each host's network namespace with the
+variables ``python -m jaxcomm.launch`` sets (``JAXCOMM_COORDINATOR`` on host
+0's link address, ``JAXCOMM_NUM_PROCESSES``, ``JAXCOMM_PROCESS_ID``), and
+``JAXCOMM_SOCKET_IFNAME`` naming the host's link. Process 0 prints each
+result as one ``@row {json}`` line on stdout; progress goes to stderr.
+
+Workloads:
+
+- ``allreduce``: ``jaxcomm.allreduce`` over every device of every host, per
+  path (xla ``auto`` = gloo's psum, xla ``ring`` over ppermute,
+  ``hierarchical`` over (host, local device)), wire dtype and size; the
+  median time of ``--repeats`` calls, each checked against the closed form.
+- ``check``: one float32 allreduce of seeded normal values per wire, compared
+  with a float64 NumPy sum of every device's input; prints the largest error
+  against the bound :func:`error_bound` states.
+- ``train``: a wide MLP trained data-parallel with each gradient exchange
+  configuration; the median step time, one step in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROW_PREFIX = "@row "
+MIB = 1 << 20
+PATHS = ("auto", "ring", "hierarchical")  # jaxcomm.allreduce algorithms, xla backend
+WIRES = ("float32", "float16", "bfloat16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=("allreduce", "check", "train"), required=True)
+    parser.add_argument("--paths", default="auto,ring,hierarchical")
+    parser.add_argument("--wires", default="float32,float16,bfloat16")
+    parser.add_argument("--sizes-mib", default="1,4,16,64")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default="dense")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--features", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--batch-per-device", type=int, default=32)
+    parser.add_argument("--fail-rank", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def emit(row: dict):
+    import jax
+
+    if jax.process_index() == 0:
+        print(ROW_PREFIX + json.dumps(row), flush=True)
+
+
+def progress(message: str):
+    import jax
+
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def describe_error(e: Exception) -> str:
+    """The exception on one line, shortened: it goes into a table cell and a JSON row."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+def host_mesh():
+    """(host, local device) mesh: row i holds host i's devices in id order."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(jax.process_count(), -1)
+    return Mesh(grid, ("host", "local"))
+
+
+AXES = ("host", "local")
+
+
+def wire_dtype(name: str):
+    import jax.numpy as jnp
+
+    return None if name == "float32" else jnp.dtype(name)
+
+
+def global_input(mesh, per_device: int, fill):
+    """A (devices * per_device,) float32 array; device d's slice is ``fill(d, n)``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    order = {d: i for i, d in enumerate(mesh.devices.flat)}
+    sharding = NamedSharding(mesh, P(AXES))
+    arrays = [jax.device_put(fill(order[d], per_device), d) for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays((mesh.size * per_device,), sharding, arrays)
+
+
+def reducer(mesh, path: str, wire):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    def body(x):
+        return jaxcomm.allreduce(x, AXES, algorithm=path, wire_dtype=wire, backend="xla")
+
+    # Every device's copy of the sum comes back, so nothing relies on the
+    # result being typed as replicated.
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))
+
+
+def check_closed_form(y, expected):
+    """Every local copy of the sum is ``expected`` (small integers: exact on every wire)."""
+    import numpy as np
+
+    for shard in y.addressable_shards:
+        wrong = np.flatnonzero(np.asarray(shard.data) != expected)
+        if wrong.size:
+            i = wrong[0]
+            got = np.asarray(shard.data)
+            raise AssertionError(
+                f"device {shard.device.id}: {wrong.size} of {expected.size} elements differ "
+                f"from the closed form, first at {i}: {got[i]} != {expected[i]}, "
+                f"max |error| {np.abs(got[wrong] - expected[wrong]).max()}"
+            )
+
+
+def run_allreduce(args):
+    import jax
+    import numpy as np
+
+    mesh = host_mesh()
+    hosts, local = mesh.devices.shape
+    for path in args.paths.split(","):
+        for wire_name in args.wires.split(","):
+            for size_mib in [float(s) for s in args.sizes_mib.split(",")]:
+                row = {"hosts": hosts, "devices": mesh.size, "path": path, "wire": wire_name}
+                nbytes = int(size_mib * MIB)
+                row["bytes"] = nbytes
+                if path == "hierarchical" and local < 2:
+                    row["error"] = "needs --devices-per-host 2"
+                    emit(row)
+                    continue
+                n = nbytes // 4
+                # Device d holds (d + 1) * pattern: the sum is pattern * D(D+1)/2,
+                # exact in float16 for these small integers.
+                pattern = (np.arange(n) % 7 - 3).astype(np.float32)
+                expected = pattern * (mesh.size * (mesh.size + 1) / 2)
+                x = global_input(mesh, n, lambda d, n, p=pattern: p * (d + 1))
+                try:
+                    run = reducer(mesh, path, wire_dtype(wire_name))
+                    y = jax.block_until_ready(run(x))  # compile + warm up
+                    times = []
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        y = jax.block_until_ready(run(x))
+                        times.append(time.perf_counter() - start)
+                    check_closed_form(y, expected)
+                    row["time_s"] = statistics.median(times)
+                except Exception as e:  # noqa: BLE001  (a failing path is a result)
+                    row["error"] = describe_error(e)
+                progress(f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')}")
+                emit(row)
+
+
+def error_bound(wire_name: str, ranks: int, abs_sum):
+    """Largest |result - exact sum| allowed, elementwise, for a sum over ``ranks`` ranks.
+
+    Each input is rounded to the wire once, and the partial sum is rounded
+    again at most once per hop (``ranks - 1`` reduce hops plus the gather),
+    each time by at most half an ulp, ``2^-(p+1)`` relative, of a value no
+    larger than ``sum_d |x_d|``: ``(ranks + 1) * 2^-(p+1) * sum_d |x_d|``,
+    ``p`` the wire's significand bits (float32 23, float16 10, bfloat16 7).
+    """
+    bits = {"float32": 23, "float16": 10, "bfloat16": 7}[wire_name]
+    return (ranks + 1) * 2.0 ** -(bits + 1) * abs_sum + 1e-30
+
+
+def run_check(args):
+    import jax
+    import numpy as np
+
+    mesh = host_mesh()
+    n = 4096
+
+    def values(d, n):
+        return np.random.default_rng(1000 + d).normal(size=n).astype(np.float32)
+
+    inputs = np.stack([values(d, n).astype(np.float64) for d in range(mesh.size)])
+    exact, abs_sum = inputs.sum(0), np.abs(inputs).sum(0)
+    x = global_input(mesh, n, values)
+    for path in args.paths.split(","):
+        for wire_name in args.wires.split(","):
+            y = jax.block_until_ready(reducer(mesh, path, wire_dtype(wire_name))(x))
+            worst, worst_abs = 0.0, 0.0
+            bound = error_bound(wire_name, mesh.size, abs_sum)
+            for shard in y.addressable_shards:
+                err = np.abs(np.asarray(shard.data, np.float64) - exact)
+                worst = max(worst, float((err / bound).max()))
+                worst_abs = max(worst_abs, float(err.max()))
+            emit(
+                {
+                    "hosts": mesh.devices.shape[0],
+                    "devices": mesh.size,
+                    "path": path,
+                    "wire": wire_name,
+                    "max_error_over_bound": worst,
+                    "max_abs_error": worst_abs,
+                }
+            )
+
+
+# --- train -------------------------------------------------------------------
+
+TRAIN_CONFIGS = (
+    "dense",
+    "allreduce",
+    "bf16",
+    "bf16_ef",
+    "fp16",
+    "fp16_ef",
+    "fusion",
+    "hierarchical",
+    "double_buffering",
+    "chunk_sparse",
+    "chunk_sparse_fp16",
+)
+
+
+def gradient_exchange(config: str, inner):
+    """``None`` for the hand-written pmean baseline, else the optax chain."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxcomm
+
+    fp16, bf16 = jnp.float16, jnp.bfloat16
+    options = {
+        "allreduce": {},
+        "bf16": {"wire_dtype": bf16},
+        "bf16_ef": {"wire_dtype": bf16, "error_feedback": True},
+        "fp16": {"wire_dtype": fp16},
+        "fp16_ef": {"wire_dtype": fp16, "error_feedback": True},
+        "fusion": {"bucket_bytes": math.inf},
+        "hierarchical": {"algorithm": "hierarchical"},
+        "double_buffering": {"double_buffering": True},
+    }
+    if config == "dense":
+        return None
+    if config in options:
+        return optax.chain(
+            jaxcomm.allreduce_gradients(AXES, backend="xla", **options[config]), inner
+        )
+    wire = fp16 if config == "chunk_sparse_fp16" else None
+    # ffi runs in one process only; xla is the cross-process backend.
+    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend="xla")
+
+
+def train_step(tx, inner):
+    """The step of one configuration: local gradients, exchange, update."""
+    import jax
+    import optax
+
+    def loss_fn(params, x, y):
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        h = jax.nn.relu(h @ params["w2"] + params["b2"])
+        logits = h @ params["w3"] + params["b3"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params, opt_state, x, y):
+        # Varying copies keep the gradients local, so the exchange is the only
+        # communication of the step.
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, AXES, to="varying"), params)
+        loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
+        if tx is None:
+            grads = jax.lax.pmean(grads, AXES)
+            updates, opt_state = inner.update(grads, opt_state, params)
+        else:
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
+
+    return step
+
+
+def run_train(args):
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = host_mesh()
+    hosts, local = mesh.devices.shape
+    classes = 10
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(classes, args.features)).astype(np.float32)
+    sizes = [(args.features, args.hidden), (args.hidden, args.hidden), (args.hidden, classes)]
+    params_np = {}
+    for i, (fan_in, fan_out) in enumerate(sizes, start=1):
+        w = rng.normal(size=(fan_in, fan_out)).astype(np.float32) * np.sqrt(2 / fan_in)
+        params_np[f"w{i}"] = w.astype(np.float32)
+        params_np[f"b{i}"] = np.zeros(fan_out, np.float32)
+    param_count = sum(v.size for v in params_np.values())
+    progress(f"train: {param_count / 1e6:.1f}M parameters, {hosts} hosts x {local} devices")
+    batch = args.batch_per_device * mesh.size
+
+    def replicated(value):
+        value = np.asarray(value)
+        sharding = NamedSharding(mesh, P())
+        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+    def sharded(value):
+        sharding = NamedSharding(mesh, P(AXES))
+        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+    params0 = {k: replicated(v) for k, v in params_np.items()}
+    data_rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(2):
+        labels = data_rng.integers(classes, size=batch).astype(np.int32)
+        inputs = centres[labels] + data_rng.normal(size=(batch, args.features)).astype(np.float32)
+        batches.append((sharded(inputs), sharded(labels)))
+
+    for config in args.configs.split(","):
+        row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
+        try:
+            if config == "hierarchical" and local < 2:
+                raise ValueError("needs --devices-per-host 2")
+            inner = optax.sgd(0.01, momentum=0.9)
+            tx = gradient_exchange(config, inner)
+            optimizer = inner if tx is None else tx
+            with jax.set_mesh(mesh):
+                shapes = jax.eval_shape(optimizer.init, params0)
+            specs = jaxcomm.state_specs(shapes, AXES)
+            init = jax.jit(
+                jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),), out_specs=specs)
+            )
+            opt_state = init(params0)
+            step = train_step(tx, inner)
+            run = jax.jit(
+                jax.shard_map(
+                    step,
+                    mesh=mesh,
+                    in_specs=(P(), specs, P(AXES), P(AXES)),
+                    out_specs=(P(), specs, P()),
+                )
+            )
+            params = params0
+            times, losses = [], []
+            for i in range(args.steps + 1):  # the first compiles
+                x, y = batches[i % len(batches)]
+                start = time.perf_counter()
+                # One step in flight: overlapping CPU collectives can abort.
+                params, opt_state, loss = jax.block_until_ready(run(params, opt_state, x, y))
+                if i:
+                    times.append(time.perf_counter() - start)
+                losses.append(float(loss))
+                progress(f"train {config} step {i}: {time.perf_counter() - start:.3f} s")
+            row["step_s"] = statistics.median(times)
+            row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+        except Exception as e:  # noqa: BLE001  (a failing configuration is a result)
+            row["error"] = describe_error(e)
+            progress(f"train {config}: {row['error']}")
+        emit(row)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jaxcomm
+
+    settings = jaxcomm.distributed.initialize()
+    if args.fail_rank is not None and settings.process_id == args.fail_rank:
+        print(f"process {settings.process_id}: failing on purpose (--fail-rank)", flush=True)
+        # As a crash would: sys.exit would wait in jax.distributed's shutdown barrier.
+        os._exit(3)
+    progress(
+        f"{settings.num_processes} processes, coordinator {settings.coordinator_address}, "
+        f"interface {os.environ.get('JAXCOMM_SOCKET_IFNAME')}"
+    )
+    {"allreduce": run_allreduce, "check": run_check, "train": run_train}[args.workload](args)
+
+
+if __name__ == "__main__":
+    main()

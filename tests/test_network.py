@@ -1,0 +1,200 @@
+"""bench/network.py: processes on shaped links in private namespaces, and their teardown.
+
+Each test runs the benchmark's quick mode (2 hosts, 1 CPU device each, small
+messages) as a subprocess and looks at the machine from outside: while it
+runs its hosts sit in network namespaces of their own; afterwards no process,
+network namespace, mount namespace or qdisc of it is left, whether it ended
+normally, by a failing host, or by SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "network.py"
+sys.path.insert(0, str(REPO / "bench"))
+
+import netbed  # noqa: E402
+
+pytestmark = pytest.mark.network
+
+_REASON = netbed.check_can_isolate()
+needs_namespaces = pytest.mark.skipif(
+    _REASON is not None, reason=f"cannot make network namespaces: {_REASON}"
+)
+# Marks the processes of one test's run, found in /proc by their command line.
+WORKER = "network_worker.py"
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--quick", "--timeout", "150", *args]
+
+
+def _pids_running(text: str) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.add(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _namespaces(kind: str) -> set[str]:
+    """The ``kind`` namespaces (``net``, ``mnt``, ``pid``) some process is in."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                found.add(os.readlink(f"/proc/{entry}/ns/{kind}"))
+            except OSError:
+                continue
+    return found
+
+
+def _qdiscs() -> str:
+    return subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+
+
+def _snapshot() -> dict:
+    return {
+        "net": _namespaces("net"),
+        "mnt": _namespaces("mnt"),
+        "pid": _namespaces("pid"),
+        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
+        "qdiscs": _qdiscs(),
+        "links": subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout,
+    }
+
+
+def _assert_torn_down(before: dict, timeout: float = 20.0):
+    """Nothing the run made is left: processes, namespaces, links, qdiscs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {
+            "processes": _pids_running(WORKER) | _pids_running(str(SCRIPT)),
+            **{kind: _namespaces(kind) - before[kind] for kind in ("net", "mnt", "pid")},
+        }
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(left.values()), f"left behind: {left}"
+    after = _snapshot()
+    assert after["netns"] == before["netns"]
+    assert after["qdiscs"] == before["qdiscs"]
+    assert "tbf" not in after["qdiscs"]
+    assert after["links"].count("jcveth") == before["links"].count("jcveth") == 0
+
+
+@needs_namespaces
+def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
+    before = _snapshot()
+    out = tmp_path / "rows.json"
+    done = subprocess.run(_command("--json", str(out)), capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    link = [r for r in rows if r.get("config") == "link"]
+    # tbf shapes the wire bytes; TCP/IP headers take ~4% of a 1500-byte MTU.
+    assert len(link) == 1 and 0.85 < link[0]["link_fraction"] < 1.02, link
+    timed = [r for r in rows if "time_s" in r]
+    paths = {(r["path"], r["wire"]) for r in timed}
+    assert paths == {(p, w) for p in ("auto", "ring") for w in ("float32", "float16")}
+    for r in timed:
+        assert r["rate_bps"] == 10**9 and r["hosts"] == 2
+        assert r["busbw_Bps"] == pytest.approx(2 * (2 - 1) / 2 * r["bytes"] / r["time_s"])
+        # The link is the limit; its burst lets a small message beat it a little,
+        # and a float16 wire carries each float32 byte in half a byte.
+        limit = 1.3 if r["wire"] == "float32" else 2.6
+        assert 0 < r["link_fraction"] < limit, r
+    assert "ring" in done.stdout and "link %" in done.stdout
+    _assert_torn_down(before)
+
+
+@needs_namespaces
+def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        _command(
+            "--workload", "check", "--paths", "auto,ring", "--wires", "float32,float16,bfloat16",
+            "--json", str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["path"], r["wire"]): r for r in json.loads(out.read_text()) if "path" in r}
+    assert len(rows) == 6
+    for key, row in rows.items():
+        # Bound: (ranks + 1) half-ulps of the wire dtype times sum_d |x_d|, per
+        # element (network_worker.error_bound).
+        assert row["max_error_over_bound"] <= 1.0, (key, row)
+    for path in ("auto", "ring"):
+        # The values did travel narrow: float16 loses more than float32.
+        assert rows[path, "float16"]["max_abs_error"] > 10 * rows[path, "float32"]["max_abs_error"]
+
+
+@needs_namespaces
+def test_a_failing_host_stops_the_run_and_leaves_nothing():
+    before = _snapshot()
+    done = subprocess.run(_command("--fail-rank", "1"), capture_output=True, text=True, timeout=200)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "rank 1 exited with code 3" in done.stderr
+    _assert_torn_down(before)
+
+
+@needs_namespaces
+def test_sigint_stops_the_run_and_leaves_nothing():
+    before = _snapshot()
+    proc = subprocess.Popen(
+        _command("--workload", "train"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_pids_running(WORKER)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = _pids_running(WORKER)
+        assert len(workers) >= 2, "the hosts never started"
+        # They run in network namespaces of their own, not ours.
+        host_nets = {os.readlink(f"/proc/{pid}/ns/net") for pid in workers}
+        assert len(host_nets) >= 2 and not host_nets & before["net"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    _assert_torn_down(before)
+
+
+def test_says_why_and_fails_without_root():
+    setpriv = "/usr/bin/setpriv"
+    if os.geteuid() != 0 or not os.path.exists(setpriv):
+        pytest.skip("needs root and setpriv to run as another user")
+    done = subprocess.run(
+        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *_command()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if done.returncode in (126, 127):
+        pytest.skip(f"this Python cannot run as nobody: {done.stderr.strip()}")
+    assert done.returncode == 2
+    assert "cannot make network namespaces here" in done.stderr
+    assert "root" in done.stderr
