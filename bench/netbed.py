@@ -293,27 +293,10 @@ class Testbed:
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on ``host``: in its namespace, its name resolving to its address."""
-        return [
-            "ip", "netns", "exec", self.namespace(host),
-            *private_hosts_file_prefix(self, host), *argv,
-        ]  # fmt: skip
-
-
-def private_hosts_file_prefix(bed: Testbed, host: int) -> list[str]:
-    """WORKAROUND, delete once gloo's interface is chosen by JAXCOMM_SOCKET_IFNAME.
-
-    gloo binds to the address the machine's host name resolves to (127.0.0.1
-    here), the same for every host. ``ip netns exec`` gives each command its
-    own mount namespace, so a host's own ``/etc/hosts`` (its name -> its link
-    address) can be bound over the shared one there.
-    """
-    name = os.uname().nodename
-    path = os.path.join(bed.workdir, f"hosts.{host}")
-    with open(path, "w") as f:
-        f.write(f"{host_address(host)} {name}\n127.0.0.1 localhost\n")
-    script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
-    return ["sh", "-c", script, "private-hosts", path]
+        """``argv`` run on ``host``, in its namespace. gloo binds to the
+        host's link because the worker's environment names it
+        (JAXCOMM_SOCKET_IFNAME, read by jaxcomm.distributed.initialize)."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
 
 
 @dataclasses.dataclass
