@@ -17,7 +17,7 @@ def test_public_api():
 
 
 # Builds both transforms with their defaults (backend="auto") and a few
-# options, then checks that no backend has started, which
+# options, and sets the ffi timeout, then checks that no backend has started, which
 # jax.distributed.initialize must precede, and that it indeed still works.
 _BUILD_THEN_INITIALIZE = textwrap.dedent(
     """
@@ -36,6 +36,8 @@ _BUILD_THEN_INITIALIZE = textwrap.dedent(
     jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1)
     jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1, backend="auto")
     assert not xla_bridge.backends_are_initialized(), "building a transform started a backend"
+    jaxcomm.set_ffi_timeout(30)
+    assert not xla_bridge.backends_are_initialized(), "set_ffi_timeout started a backend"
 
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -232,3 +232,14 @@ def test_one_device_mesh_with_replicated_out_specs():
     tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(0.1))
     params, _ = _train(tx, mesh, steps=1)
     assert np.all(np.isfinite(np.asarray(params["w"])))
+
+
+def test_backend_ffi_on_gpu_warns_that_it_is_unverified(monkeypatch):
+    from jaxcomm.collectives import _backend, _ffi
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_ffi, "require", lambda platform=None: None)  # no CUDA module here
+    _backend._warn_gpu_unverified.cache_clear()
+    with pytest.warns(UserWarning, match="across GPUs or processes has never run"):
+        assert _backend.resolve_backend("ffi") == "ffi"
+    _backend._warn_gpu_unverified.cache_clear()

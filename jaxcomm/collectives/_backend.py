@@ -7,6 +7,9 @@ decided (and checked) when a transform is built, the rest at trace time.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 
 from jaxcomm.collectives import _checks, _ffi
@@ -35,7 +38,20 @@ def resolve_backend(backend: str, *, masked: bool = False) -> str:
         return "ffi" if single and on_cpu and _ffi.available() else "xla"
     if backend == "ffi":
         _ffi.require()
+        if jax.default_backend() == "gpu":
+            _warn_gpu_unverified()
     return backend
+
+
+@functools.cache
+def _warn_gpu_unverified() -> None:
+    warnings.warn(
+        "backend='ffi' on GPU: jaxcomm's CUDA handlers have run on one GPU only "
+        "(tools/gpu_check.sh); their NCCL transport across GPUs or processes has "
+        "never run. Compare with backend='xla' before you rely on it.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def check_algorithm(algorithm: str, backend: str, axes: tuple) -> None:

@@ -39,6 +39,17 @@ def _extension():
 
 
 @functools.cache
+def cuda_module():
+    """The CUDA/NCCL module if it was built, else None. Importing it starts
+    no JAX backend (and no CUDA context), unlike asking JAX for GPUs."""
+    try:
+        from jaxcomm import _ffi_cuda
+    except ImportError:
+        return None
+    return _ffi_cuda
+
+
+@functools.cache
 def _cuda_extension():
     """The CUDA/NCCL module, or None: not built, or no GPU to run it on."""
     try:
@@ -46,11 +57,7 @@ def _cuda_extension():
             return None
     except RuntimeError:  # no GPU backend in this jax
         return None
-    try:
-        from jaxcomm import _ffi_cuda
-    except ImportError:
-        return None
-    return _ffi_cuda
+    return cuda_module()
 
 
 @functools.cache

@@ -14,16 +14,20 @@ def _ext():
 
 
 def set_ffi_timeout(seconds: float) -> None:
-    """Sets how long a CPU ffi collective waits for its peers before failing.
+    """Sets how long an ffi collective waits for its peers before failing.
 
-    A rank that does not arrive (or stops halfway) within this time makes the
-    call fail with an error naming the missing ranks, instead of hanging.
-    Default 60 s. Applies to calls made after this, in compiled code too.
+    On CPU, a rank that does not arrive (or stops halfway) within this time
+    makes the call fail with an error naming the missing ranks, instead of
+    hanging (default 60 s). Where the CUDA module is built, the same value
+    bounds NCCL set-up and each collective, after which the communicator is
+    aborted (default 300 s there). Applies to calls made after this, in
+    compiled code too. Starts no JAX backend, so it may come before
+    ``jax.distributed.initialize``.
     """
     seconds = _validate.check_positive("seconds", seconds)
     _ext().set_timeout(seconds)
-    cuda = _ffi._cuda_extension()
-    if cuda is not None:  # NCCL set-up and collectives: abort the communicator after this
+    cuda = _ffi.cuda_module()
+    if cuda is not None:
         cuda.set_timeout(seconds)
 
 
