@@ -86,6 +86,15 @@ CONFIG_SETTINGS = {
 # A configuration without its own fastest-link row does the same CPU work as this one.
 COMPUTE_FROM = {"bf16": "fp16", "bf16_ef": "fp16_ef"}
 WITHIN = 0.25  # the error a prediction is held to
+LIMITS = """What the model does not know:
+- compute, including a transform's own CPU work (casts, chunk packing, norms,
+  top-k), is a measured input from the fastest link, not derived; a run whose
+  CPU term differs from the calibration run's shows up as error in full;
+- the host's own per-byte cost of a collective: beta is the link's, scaled with
+  the rate, so where the host and not the link limits (10 Gbit/s here) that
+  cost sits in the calibrated compute term;
+- overlap on CPU: none is assumed (XLA's CPU runtime runs the collective in the
+  step's own sequence); 'overlapped' shows the GPU rule for comparison."""
 
 
 def say(message: str):
@@ -317,6 +326,14 @@ def main(argv=None) -> int:
     train_rows = load_rows(args.train)
     rows = predict(train_rows, fits)
     print(prediction_table(rows))
+    for r in rows:
+        if not r["calibration"] and abs(r["error"]) > WITHIN:
+            print(
+                f"not within {100 * WITHIN:g}%: {r['config']} at {r['rate_bps'] / 1e6:g} Mbit/s "
+                f"({100 * r['error']:+.1f}%), compute {r['compute_s']:.3f} s taken from "
+                f"{r['compute_from']}"
+            )
+    print(LIMITS)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
