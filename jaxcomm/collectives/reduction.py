@@ -20,7 +20,13 @@ import numpy as np
 
 from jaxcomm import _validate
 from jaxcomm.collectives import _allreduce, _backend, _checks, _scales, _xla
-from jaxcomm.collectives._axes import AxisPlacement, bound_axes, normalize, placement
+from jaxcomm.collectives._axes import (
+    AxisPlacement,
+    bound_axes,
+    is_vma_typed,
+    normalize,
+    placement,
+)
 
 DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
 
@@ -152,6 +158,31 @@ class BoundReduction(NamedTuple):
     def size(self) -> int:
         """Devices on the reduced axes (N)."""
         return self.place.size
+
+    def check_local(self, tree, argument: str = "gradient") -> None:
+        """Raises ValueError naming the first leaf of `tree` typed as the same
+        on every device of the axes.
+
+        Such a gradient was already reduced: under ``shard_map`` JAX's grad of
+        replicated params sums over the devices itself, and reducing it again
+        returns N times the mean. Types exist only in ``shard_map`` with
+        ``check_vma=True`` (the default); under ``pmap`` or ``check_vma=False``
+        nothing can be told, and nothing is checked.
+        """
+        axes = self.reduction.axes
+        if not is_vma_typed(self.place.rank, axes):
+            return
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not is_vma_typed(leaf, axes):
+                name = f"{argument}{jax.tree_util.keystr(path)}"
+                raise ValueError(
+                    f"{name} is typed as the same on every device of {axes}: it has already "
+                    "been reduced (jax.grad of params that entered shard_map replicated sums "
+                    "over the devices), so reducing it again would give N times the mean. "
+                    "Differentiate with respect to varying params: "
+                    f"jax.lax.pcast(params, {axes if len(axes) > 1 else axes[0]!r}, "
+                    'to="varying")'
+                )
 
     @property
     def default_bucket_bytes(self) -> float:

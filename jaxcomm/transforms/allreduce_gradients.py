@@ -147,6 +147,7 @@ def allreduce_gradients(
         del params
         comm.check_dtypes(jax.tree.leaves(updates))
         bound = comm.bind()
+        bound.check_local(updates)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
         grads = updates
         if error_feedback:
