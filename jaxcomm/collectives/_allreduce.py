@@ -33,7 +33,8 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
         if zero:
             # Zeroed before the call, so the custom call's result is the same
             # on every device and the xla path unpacks into zeros.
-            selected = jnp.repeat(chunk_mask, chunk_size, total_repeat_length=nchunks * chunk_size)
+            # A broadcast, not jnp.repeat: that is a scatter and a prefix sum.
+            selected = jnp.broadcast_to(chunk_mask[:, None], (nchunks, chunk_size)).reshape(-1)
             flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every

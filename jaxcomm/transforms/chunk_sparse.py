@@ -246,7 +246,10 @@ def _from_pool(pool, leaves):
 
 
 def _elements(mask, chunk_size: int, size: int):
-    return jnp.repeat(mask, chunk_size, total_repeat_length=mask.shape[0] * chunk_size)[:size]
+    """Each chunk's flag over its elements. A broadcast, which XLA fuses into
+    what reads it; jnp.repeat builds the same with a scatter and a prefix sum
+    over the whole pool."""
+    return jnp.broadcast_to(mask[:, None], (mask.shape[0], chunk_size)).reshape(-1)[:size]
 
 
 def _density(step, final: float, warmup: int):
