@@ -182,10 +182,10 @@ def chunk_sparse(
 
         # Next mask from the summed per-chunk L1 norms (one small collective).
         # An important chunk holds the average on every device: count it once.
-        norms = (
-            _chunk_l1(unsent, nchunks, chunk_size)
-            + _chunk_l1(exchanged, nchunks, chunk_size) / bound.size
-        )
+        # Each chunk is either exchanged or unsent (the other is zeros there),
+        # so one pass over both gives the norms of each.
+        l1 = _chunk_l1(jnp.where(elem_mask, exchanged, g), nchunks, chunk_size)
+        norms = jnp.where(state.mask, l1 / bound.size, l1)
         norms = norm_sum.bind().allreduce(norms)
         next_density = _density(state.count + 1, density, warmup_steps)
         next_mask = _top_chunks(norms, next_density)
