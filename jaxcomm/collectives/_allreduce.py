@@ -33,7 +33,8 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
         if zero:
             # Zeroed before the call, so the custom call's result is the same
             # on every device and the xla path unpacks into zeros.
-            selected = jnp.repeat(chunk_mask, chunk_size, total_repeat_length=nchunks * chunk_size)
+            # A broadcast, not jnp.repeat: that is a scatter and a prefix sum.
+            selected = jnp.broadcast_to(chunk_mask[:, None], (nchunks, chunk_size)).reshape(-1)
             flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every
@@ -119,5 +120,10 @@ def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
         index = jnp.nonzero(mask, size=max_chunks, fill_value=nchunks)[0]
         packed = chunks.at[index].get(mode="fill", fill_value=0)
         reduced = reduce(packed.reshape(-1)).reshape(max_chunks, chunk_size)
-        out = rest.at[index].set(reduced, mode="drop")
+        # Unpacked by a gather of each chunk's slot, which XLA fuses with the
+        # unpadding; a scatter into `rest` would first write a whole pool.
+        slot = jnp.cumsum(mask, dtype=jnp.int32) - 1
+        packed_here = mask & (slot < max_chunks)
+        back = reduced.at[jnp.clip(slot, 0, max_chunks - 1)].get(mode="clip")
+        out = jnp.where(packed_here[:, None], back, rest)
     return out.reshape(-1)[:n]

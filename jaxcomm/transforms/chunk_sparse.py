@@ -182,15 +182,17 @@ def chunk_sparse(
 
         # Next mask from the summed per-chunk L1 norms (one small collective).
         # An important chunk holds the average on every device: count it once.
-        norms = (
-            _chunk_l1(unsent, nchunks, chunk_size)
-            + _chunk_l1(exchanged, nchunks, chunk_size) / bound.size
-        )
+        # Each chunk is either exchanged or unsent (the other is zeros there),
+        # so one pass over both gives the norms of each.
+        l1 = _chunk_l1(jnp.where(elem_mask, exchanged, g), nchunks, chunk_size)
+        norms = jnp.where(state.mask, l1 / bound.size, l1)
         norms = norm_sum.bind().allreduce(norms)
         next_density = _density(state.count + 1, density, warmup_steps)
         next_mask = _top_chunks(norms, next_density)
 
-        nonfinite = ~jnp.all(jnp.isfinite(exchanged)) | ~jnp.all(jnp.isfinite(norms))
+        # x * 0 is 0 for finite x and NaN otherwise, and a sum keeps a NaN: one
+        # float reduction, where all(isfinite) writes out a boolean pool first.
+        nonfinite = ~jnp.isfinite(jnp.sum(exchanged * 0)) | ~jnp.all(jnp.isfinite(norms))
         grads = jax.tree.unflatten(treedef, _from_pool(exchanged, leaves))
         masks = jax.tree.unflatten(treedef, _from_pool(elem_mask, leaves))
         upd, inner_state = inner.update(grads, state.inner, params)
@@ -232,7 +234,13 @@ def _pool_dtype(leaves):
 def _to_pool(leaves, dtype):
     """Leaves in the order backward produces them (reverse tree order), flat."""
     parts = [jnp.ravel(x).astype(dtype) for x in reversed(leaves)]
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+    # Each leaf written into place: XLA CPU's concatenate takes several
+    # times as long as these copies.
+    pool, offset = jnp.zeros((sum(p.size for p in parts),), dtype), 0
+    for part in parts:
+        pool = jax.lax.dynamic_update_slice(pool, part, (offset,))
+        offset += part.size
+    return pool
 
 
 def _from_pool(pool, leaves):
@@ -246,7 +254,10 @@ def _from_pool(pool, leaves):
 
 
 def _elements(mask, chunk_size: int, size: int):
-    return jnp.repeat(mask, chunk_size, total_repeat_length=mask.shape[0] * chunk_size)[:size]
+    """Each chunk's flag over its elements. A broadcast, which XLA fuses into
+    what reads it; jnp.repeat builds the same with a scatter and a prefix sum
+    over the whole pool."""
+    return jnp.broadcast_to(mask[:, None], (mask.shape[0], chunk_size)).reshape(-1)[:size]
 
 
 def _density(step, final: float, warmup: int):
