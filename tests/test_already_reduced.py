@@ -22,11 +22,22 @@ import jaxcomm
 N = 8
 
 
-def _run(*, cast: bool, check_vma: bool = True):
+def _dense():
+    return optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(1.0))
+
+
+def _sparse():
+    return jaxcomm.chunk_sparse(optax.sgd(1.0), "data", density=1.0, chunk_size=2)
+
+
+def _run(*, cast: bool, check_vma: bool = True, make_tx=_dense):
     mesh = jax.make_mesh((N,), ("data",))
-    tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(1.0))
+    tx = make_tx()
     params = {"layer": {"w": jnp.zeros(3)}}
-    state = tx.init(params)
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, "data")
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
     def loss(p, x):
         return jnp.sum(p["layer"]["w"] * x)
@@ -40,29 +51,39 @@ def _run(*, cast: bool, check_vma: bool = True):
     rows = np.arange(N * 3, dtype=np.float32).reshape(N, 3)
     x = jax.device_put(rows, NamedSharding(mesh, P("data")))
     f = jax.shard_map(
-        step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=check_vma
+        step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data")),
+        out_specs=(P(), specs),
+        check_vma=check_vma,
     )
     new, _ = jax.jit(f)(params, state, x)
     return np.asarray(new["layer"]["w"]), rows
 
 
-def test_varying_params_give_minus_the_mean_gradient():
-    w, rows = _run(cast=True)
+TRANSFORMS = pytest.mark.parametrize("make_tx", [_dense, _sparse], ids=["dense", "chunk_sparse"])
+
+
+@TRANSFORMS
+def test_varying_params_give_minus_the_mean_gradient(make_tx):
+    w, rows = _run(cast=True, make_tx=make_tx)
     np.testing.assert_allclose(w, -rows.mean(0), rtol=1e-6)
 
 
-def test_already_reduced_gradient_names_the_leaf_and_the_fix():
+@TRANSFORMS
+def test_already_reduced_gradient_names_the_leaf_and_the_fix(make_tx):
     with pytest.raises(ValueError) as e:
-        _run(cast=False)
+        _run(cast=False, make_tx=make_tx)
     message = str(e.value)
     assert "gradient['layer']['w']" in message
     assert "already been reduced" in message
     assert "jax.lax.pcast(params, 'data', to=\"varying\")" in message
 
 
-def test_without_types_the_gradient_stays_local():
+@TRANSFORMS
+def test_without_types_the_gradient_stays_local(make_tx):
     """check_vma=False: JAX's grad does not sum over the devices (it has no
     types to transpose), so replicated params give local gradients and the
     mean is right; nothing is checked and nothing needs to be."""
-    w, rows = _run(cast=False, check_vma=False)
+    w, rows = _run(cast=False, check_vma=False, make_tx=make_tx)
     np.testing.assert_allclose(w, -rows.mean(0), rtol=1e-6)

@@ -167,6 +167,7 @@ def chunk_sparse(
         leaves, treedef = jax.tree.flatten(updates)
         exchange.check_dtypes(leaves)
         bound = exchange.bind()
+        bound.check_local(updates)
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = state.mask.shape[0]
         if size == 0:  # nothing to exchange: no collective, only the inner step
