@@ -173,7 +173,7 @@ class BoundReduction(NamedTuple):
         if not is_vma_typed(self.place.rank, axes):
             return
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if not is_vma_typed(leaf, axes):
+            if np.size(leaf) and not is_vma_typed(leaf, axes):  # an empty leaf sends nothing
                 name = f"{argument}{jax.tree_util.keystr(path)}"
                 raise ValueError(
                     f"{name} is typed as the same on every device of {axes}: it has already "
