@@ -46,31 +46,26 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
             y = lax.psum(y, place.axes)
         return y.reshape(shape)
 
+    def xla(v):
+        return _XLA_ALGORITHMS[algorithm](v, place, wire, prescale, postscale)
+
+    def ffi(v, **options):
+        return _ffi.allreduce(
+            v,
+            place,
+            algorithm=algorithm,
+            wire=wire,
+            prescale=prescale,
+            postscale=postscale,
+            intra_size=_intra_size(place),
+            **options,
+        )
+
     if chunk_mask is not None:
         if backend == "ffi":
-            y = _ffi.allreduce(
-                flat,
-                place,
-                algorithm=algorithm,
-                wire=wire,
-                prescale=prescale,
-                postscale=postscale,
-                chunk_mask=chunk_mask,
-                chunk_size=chunk_size,
-                intra_size=_intra_size(place),
-                replicated=zero,
-            )
+            y = ffi(flat, chunk_mask=chunk_mask, chunk_size=chunk_size, replicated=zero)
         else:
-            reduce = _XLA_ALGORITHMS[algorithm]
-            y = _masked(
-                flat,
-                chunk_mask,
-                chunk_size,
-                nchunks,
-                max_chunks,
-                lambda v: reduce(v, place, wire, prescale, postscale),
-                zero=zero,
-            )
+            y = _masked(flat, chunk_mask, chunk_size, nchunks, max_chunks, xla, zero=zero)
         return y.reshape(shape)
 
     if backend == "xla" and algorithm == "psum" and wire == dtype:
@@ -82,18 +77,7 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
         return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(shape)
 
     def forward(v):
-        if backend == "xla":
-            return _XLA_ALGORITHMS[algorithm](v, place, wire, prescale, postscale)
-        return _ffi.allreduce(
-            v,
-            place,
-            algorithm=algorithm,
-            wire=wire,
-            prescale=prescale,
-            postscale=postscale,
-            intra_size=_intra_size(place),
-            in_place=in_place,
-        )
+        return xla(v) if backend == "xla" else ffi(v, in_place=in_place)
 
     # The ring's ppermutes and the custom calls would otherwise transpose to
     # something other than psum's transpose; make all schedules agree with it.
