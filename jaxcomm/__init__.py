@@ -22,8 +22,10 @@ from jaxcomm.collectives import (
     reduce_scatter,
     reset_ffi_stats,
     set_ffi_timeout,
+    to_varying,
 )
 from jaxcomm.costmodel import plan
+from jaxcomm.local_grad import local_grad, local_value_and_grad
 from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
 from jaxcomm.transforms import (
     AllReduceGradientsState,
@@ -53,6 +55,8 @@ __all__ = [
     "allreduce_gradients",
     "chunk_sparse",
     "get_stats",
+    "local_grad",
+    "local_value_and_grad",
     "plan_buckets",
     "state_specs",
     "all_gather",
@@ -63,4 +67,5 @@ __all__ = [
     "reduce_scatter",
     "reset_ffi_stats",
     "set_ffi_timeout",
+    "to_varying",
 ]

@@ -21,6 +21,7 @@ from jaxcomm.collectives.reduction import (
     Reduction,
     reduction,
 )
+from jaxcomm.collectives.varying import to_varying
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -36,4 +37,5 @@ __all__ = [
     "reduction",
     "reset_ffi_stats",
     "set_ffi_timeout",
+    "to_varying",
 ]
