@@ -7,13 +7,17 @@ gives each process ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
 then binds rank 0's coordination service to 127.0.0.1 only), and with
 ``--devices-per-process`` forces that many CPU devices per process through
 ``XLA_FLAGS``. Each output line comes back prefixed with
-``[rank k]``.
+``[rank k]``; gloo's line per device saying it connected to its peers is left
+out unless ``--show-gloo`` asks for it.
 
-If a process exits non-zero or dies by a signal, the others are sent SIGTERM,
-then SIGKILL after ``--grace-period`` seconds, and the launcher exits with the
-failed process's code (128 + signal for a signal) and a message naming its
-rank. Ctrl-C (or SIGTERM to the launcher) stops all processes the same way.
-Standard library only, so it starts in well under a second.
+If a process exits non-zero or dies by a signal, the others are killed
+(SIGKILL) at once and the launcher exits with the failed process's code
+(128 + signal for a signal) and a message naming its rank. Without that rank
+the job cannot go on: its peers are blocked in collectives, and JAX catches
+SIGTERM (its preemption notifier logs it and carries on), so a SIGTERM would
+only delay the end. Ctrl-C (or SIGTERM to the launcher) sends the processes
+SIGTERM, then SIGKILL after ``--grace-period`` seconds. Standard library only,
+so it starts in well under a second.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +37,12 @@ from collections.abc import Sequence
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # How often the launcher wakes to notice Ctrl-C while it waits for exits.
 WAKE_SECONDS = 0.2
+# What gloo prints for every device once its connections are up: one line per
+# device and process, on stdout, with nothing to say when all is well.
+GLOO_CONNECTED = re.compile(
+    rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\s*$"
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,18 +91,21 @@ def process_env(
 
 
 class _PrefixedOutput:
-    """Copies a child's stream to ours line by line, each line prefixed."""
+    """Copies a child's stream to ours line by line, each line prefixed;
+    lines that ``hide`` matches are dropped."""
 
-    def __init__(self, source, sink, prefix: str, lock: threading.Lock):
+    def __init__(self, source, sink, prefix: str, lock: threading.Lock, hide=None):
         self._thread = threading.Thread(
-            target=self._pump, args=(source, sink, prefix.encode(), lock), daemon=True
+            target=self._pump, args=(source, sink, prefix.encode(), lock, hide), daemon=True
         )
         self._thread.start()
 
     @staticmethod
-    def _pump(source, sink, prefix: bytes, lock: threading.Lock):
+    def _pump(source, sink, prefix: bytes, lock: threading.Lock, hide):
         out = getattr(sink, "buffer", sink)
         for line in iter(source.readline, b""):
+            if hide is not None and hide.match(line):
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:
@@ -111,10 +125,11 @@ def _signal_group(proc: subprocess.Popen, sig: int):
 
 
 def stop_all(procs: Sequence[subprocess.Popen], grace_period: float) -> None:
-    """SIGTERM to every running process, SIGKILL to those alive after the grace period."""
+    """SIGTERM to every running process, SIGKILL to those alive after the grace
+    period (at once for a grace period of 0)."""
     running = [p for p in procs if p.poll() is None]
     for proc in running:
-        _signal_group(proc, signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM if grace_period > 0 else signal.SIGKILL)
     deadline = time.monotonic() + grace_period
     for proc in running:
         try:
@@ -162,6 +177,7 @@ def launch(
     *,
     devices_per_process: int | None = None,
     grace_period: float = 5.0,
+    show_gloo: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` ranks of one job; returns the exit code.
 
@@ -170,7 +186,9 @@ def launch(
       num_processes: how many processes to start.
       devices_per_process: CPU devices to force in each process, or ``None``
         to leave ``XLA_FLAGS`` as it is.
-      grace_period: seconds between SIGTERM and SIGKILL when stopping processes.
+      grace_period: seconds between SIGTERM and SIGKILL when the launcher is
+        interrupted. After a process fails the others are killed at once.
+      show_gloo: pass on gloo's lines saying each device connected to its peers.
 
     Returns:
       0 if every process exited 0; otherwise the code of the first process to
@@ -180,6 +198,7 @@ def launch(
         raise ValueError(f"num_processes={num_processes} must be at least 1")
     port = free_port()
     lock = threading.Lock()
+    hide = None if show_gloo else GLOO_CONNECTED
     procs, pumps = [], []
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -203,24 +222,27 @@ def launch(
             )
             procs.append(proc)
             prefix = f"[rank {rank}] "
-            pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, lock))
-            pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, lock))
-        code = _watch(procs, grace_period)
+            pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, lock, hide))
+            pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, lock, hide))
+        code, failed = _watch(procs)
     except _Interrupted as interrupt:
         name = signal.Signals(interrupt.signum).name
         _say(f"got {name}; stopping all {num_processes} processes")
         stop_all(procs, grace_period)
-        code = 128 + interrupt.signum
+        code, failed = 128 + interrupt.signum, None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     for pump in pumps:
         pump.join(timeout=grace_period)
+    if failed is not None:  # last, after the ranks' final lines
+        _say(f"exit code {code}: rank {failed} failed first")
     return code
 
 
-def _watch(procs: Sequence[subprocess.Popen], grace_period: float) -> int:
-    """Waits for all processes; on the first failure stops the rest.
+def _watch(procs: Sequence[subprocess.Popen]) -> tuple[int, int | None]:
+    """Waits for all processes; on the first failure kills the rest.
+    Returns (exit code, first rank to fail or None).
 
     One thread per process reports its exit, so "first" is the order in which
     they exited, not their rank order.
@@ -243,9 +265,9 @@ def _watch(procs: Sequence[subprocess.Popen], grace_period: float) -> int:
             others = [r for r, p in enumerate(procs) if p.poll() is None]
             stopping = f"; stopping ranks {others}" if others else ""
             _say(f"{describe(rank, returncode)}{stopping}")
-            stop_all(procs, grace_period)
-            return exit_code(returncode)
-    return 0
+            stop_all(procs, grace_period=0)
+            return exit_code(returncode), rank
+    return 0, None
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -264,7 +286,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--grace-period",
         type=float,
         default=5.0,
-        help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)",
+        help="seconds between SIGTERM and SIGKILL after Ctrl-C (default 5); "
+        "when a process fails the others are killed at once",
+    )
+    parser.add_argument(
+        "--show-gloo",
+        action="store_true",
+        help="show gloo's lines saying each device connected to its peers (hidden by default)",
     )
     parser.add_argument("script", help="Python script to run in every process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -285,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.num_processes,
         devices_per_process=args.devices_per_process,
         grace_period=args.grace_period,
+        show_gloo=args.show_gloo,
     )
 
 
