@@ -12,6 +12,12 @@ bitwise after every step.
 
 from __future__ import annotations
 
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from tests.harness import mesh_of, random_grads
+from tests.harness import assert_same_on_all_devices, mesh_of, random_grads
 
 N = 8
+ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 # Tree order is key order. With rank 2 and the default rate 2:
 # b_kernel, c_conv (viewed as 6 x 20), f_wide and g_edge (on the boundary:
@@ -327,3 +334,223 @@ def test_residual_is_what_the_approximation_missed(mesh):
         applied = sum(u[k] for u in updates)
         true = sum(g[k].astype(np.float64).mean(0) for g in grads)
         np.testing.assert_allclose(applied + e.mean(0), true, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# What travels.
+
+
+def _lowered(tx, mesh, shapes=SHAPES):
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    run, specs = _user_step(tx, mesh, state)
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    rows = {
+        k: jax.ShapeDtypeStruct((N, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in shapes.items()
+    }
+    return run.lower(params, state, rows)
+
+
+# Elements per collective for SHAPES at rank 2: every P (rows x 2 of the four
+# compressed leaves), every Q (cols x 2), and the dense leaves.
+P_ELEMENTS = (33 + 6 + 8 + 8) * 2
+Q_ELEMENTS = (17 + 20 + 64 + 8) * 2
+DENSE_ELEMENTS = 5 + 12 + 1 + 56
+ALL_ELEMENTS = sum(math.prod(s) for s in SHAPES.values())
+
+
+def _all_reduce_sizes(compiled: str) -> list[int]:
+    """Element counts of the operands of every all-reduce in compiled HLO."""
+    sizes = []
+    for line in compiled.splitlines():
+        head = re.match(r"\s*%\S+ = (.*?) all-reduce\(", line)
+        if head:
+            sizes += [int(n) for n in re.findall(r"f32\[(\d+)\]", head.group(1))]
+    return sorted(sizes)
+
+
+def test_one_collective_for_p_one_for_q_one_dense(mesh):
+    """jaxcomm emits three all-reduces. XLA's CPU combiner then merges the
+    dense one into P's (they are independent; Q's needs P's result), so the
+    compiled module holds two all-reduce ops carrying the same three
+    operands. ffi custom calls are not combined: three of them."""
+    tx = jaxcomm.powersgd("data", rank=2, backend="xla")
+    lowered = _lowered(tx, mesh)
+    assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) == 3
+    compiled = lowered.compile().as_text()
+    assert _all_reduce_sizes(compiled) == sorted([P_ELEMENTS, Q_ELEMENTS, DENSE_ELEMENTS])
+    assert len(re.findall(r" all-reduce\(", compiled)) == 2
+
+    ffi = _lowered(jaxcomm.powersgd("data", rank=2, backend="ffi"), mesh).compile().as_text()
+    assert ffi.count('custom_call_target="jaxcomm_allreduce"') == 3
+
+
+def test_before_start_step_one_dense_collective_in_its_own_branch(mesh):
+    """With start_step > 0 the step is a cond: one dense all-reduce of every
+    leaf in the dense branch, the three of PowerSGD in the other."""
+    lowered = _lowered(jaxcomm.powersgd("data", rank=2, start_step=3, backend="xla"), mesh)
+    assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) == 4
+    sizes = _all_reduce_sizes(lowered.compile().as_text())
+    assert sizes == sorted([P_ELEMENTS, Q_ELEMENTS, DENSE_ELEMENTS, ALL_ELEMENTS])
+
+
+def _stats_per_step(tx, mesh, steps):
+    _, states, _ = run_as_users_do(tx, _params(), _grads(steps=steps), mesh)
+    return [jaxcomm.get_stats(s) for s in states[1:]]
+
+
+def test_stats_count_what_travels(mesh):
+    sent = P_ELEMENTS + Q_ELEMENTS + DENSE_ELEMENTS
+    dense, compressed = _stats_per_step(jaxcomm.powersgd("data", rank=2, start_step=1), mesh, 2)
+    assert dense.payload_bytes == 4 * ALL_ELEMENTS and dense.collectives == 1
+    assert dense.density == 1 and not dense.nonfinite
+    assert compressed.payload_bytes == 4 * sent and compressed.collectives == 3
+    assert compressed.bytes_sent == np.float32(4 * sent * 2 * 7 / 8)
+    assert compressed.density == np.float32(sent / ALL_ELEMENTS)
+
+    (fp16,) = _stats_per_step(jaxcomm.powersgd("data", rank=2, wire_dtype="float16"), mesh, 1)
+    assert fp16.payload_bytes == 2 * sent and fp16.density == compressed.density
+
+    (vectors,) = _stats_per_step(
+        jaxcomm.powersgd("data", rank=2, min_compression_rate=math.inf), mesh, 1
+    )
+    assert vectors.collectives == 1 and vectors.payload_bytes == 4 * ALL_ELEMENTS
+
+
+# ---------------------------------------------------------------------------
+# Edge cases.
+
+
+def test_zero_gradient_neither_nans_nor_sticks(mesh):
+    """A zero gradient gives P = 0: its columns stay zero (no 0/0), the
+    result is zero and so is the next Q. That Q's columns are drawn afresh
+    at the next step, which then compresses as the reference does."""
+    shapes = {"w": (16, 8)}
+    grads = _grads(steps=4, shapes=shapes)
+    grads[0]["w"][:] = 0
+    updates, states, _ = run_as_users_do(jaxcomm.powersgd("data"), _params(shapes), grads, mesh)
+    assert not updates[0]["w"].any() and not states[1].q[0].any()
+    assert np.abs(updates[1]["w"]).max() > 0.1
+    means, _, _ = reference(grads, rank=1)
+    for t in range(4):
+        np.testing.assert_allclose(updates[t]["w"], means[t]["w"], rtol=1e-5, atol=1e-5)
+
+
+def test_dependent_column_of_p_becomes_zero(mesh):
+    """M = e_0 v^T on every device: P = M Q has rows of zeros but the first,
+    so its second column has nothing left after the first one (R's diagonal
+    is exactly 0). It becomes zero, not NaN; the first column alone already
+    gives M back, and the second column of Q comes out zero."""
+    v = np.random.default_rng(2).standard_normal(8).astype(np.float32)
+    m = np.zeros((16, 8), np.float32)
+    m[0] = v
+    grads = [{"w": np.broadcast_to(m, (N, 16, 8)).copy()}]
+    tx = jaxcomm.powersgd("data", rank=2)
+    updates, states, _ = run_as_users_do(tx, _params({"w": (16, 8)}), grads, mesh)
+    np.testing.assert_allclose(updates[0]["w"], m, rtol=1e-6, atol=1e-6)
+    q = states[1].q[0]
+    assert np.isfinite(q).all() and q[:, 0].any() and not q[:, 1].any()
+
+
+def test_nonfinite_gradient_is_flagged_everywhere_and_leaves_no_trace(mesh):
+    """One device's inf reaches every device through P: the flag is set on
+    all of them, powersgd's state stays as it was, and optax.apply_if_finite
+    after it skips the step, landing where the run without it lands."""
+    grads = _grads(steps=4)
+    grads[2]["b_kernel"][5, 7, 3] = np.inf
+    sgd = optax.sgd(0.1, momentum=0.9)
+    tx = optax.chain(
+        jaxcomm.powersgd("data", rank=2), optax.apply_if_finite(sgd, max_consecutive_errors=3)
+    )
+    _, states, params = run_as_users_do(tx, _params(), grads, mesh)
+    flags = [bool(jaxcomm.get_stats(s).nonfinite) for s in states[1:]]
+    assert flags == [False, False, True, False]
+    before, after = _psgd(states[2]), _psgd(states[3])
+    for a, b in zip(
+        jax.tree.leaves((before.residual, before.q, before.count)),
+        jax.tree.leaves((after.residual, after.q, after.count)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+    skipped = grads[:2] + grads[3:]
+    _, _, want = run_as_users_do(
+        optax.chain(jaxcomm.powersgd("data", rank=2), sgd), _params(), skipped, mesh
+    )
+    for k in SHAPES:  # a different program (cond) may round the last bit differently
+        np.testing.assert_allclose(params[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_under_pmap():
+    steps = 3
+    grads = _grads(steps=steps)
+    tx = optax.chain(jaxcomm.powersgd("i", rank=2), optax.sgd(0.1))
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    run = jax.pmap(step, axis_name="i")
+    p = jax.tree.map(lambda x: np.broadcast_to(x, (N, *x.shape)), _params())
+    s = jax.pmap(tx.init, axis_name="i")(p)
+    means, _, _ = reference(grads, rank=2)
+    for t, g in enumerate(grads):
+        p, s, u = jax.block_until_ready(run(p, s, g))
+        u = jax.tree.map(np.asarray, u)
+        assert_same_on_all_devices(u, "updates")
+        for k in SHAPES:
+            _close(u[k][3], -0.1 * means[t][k], f"step {t}, {k}")
+
+
+def test_init_outside_a_mesh_says_how():
+    with pytest.raises(ValueError, match="jax.set_mesh"):
+        jaxcomm.powersgd("data").init({"w": jnp.zeros((16, 16))})
+
+
+# ---------------------------------------------------------------------------
+# Options.
+
+BAD = [
+    (dict(rank=0), ValueError, "rank=0"),
+    (dict(rank=1.5), ValueError, "rank=1.5"),
+    (dict(rank=True), ValueError, "rank=True"),
+    (dict(start_step=-1), ValueError, "start_step=-1"),
+    (dict(start_step=2.0), ValueError, "start_step=2.0"),
+    (dict(min_compression_rate=0), ValueError, "min_compression_rate=0"),
+    (dict(min_compression_rate=-2.0), ValueError, "min_compression_rate=-2.0"),
+    (dict(min_compression_rate=math.nan), ValueError, "min_compression_rate=nan"),
+    (dict(min_compression_rate="2"), TypeError, "min_compression_rate='2'"),
+    (dict(error_feedback="yes"), TypeError, "error_feedback='yes'"),
+    (dict(warm_start=1), TypeError, "warm_start=1"),
+    (dict(seed=-1), ValueError, "seed=-1"),
+    (dict(seed=0.5), ValueError, "seed=0.5"),
+    (dict(wire_dtype=jnp.int8), TypeError, "wire_dtype=int8"),
+    (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
+    (dict(backend="mpi"), ValueError, "backend='mpi'"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_options_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        jaxcomm.powersgd("data", **options)
+
+
+def test_numpy_scalars_are_valid_options():
+    jaxcomm.powersgd("data", rank=np.int64(2), start_step=np.int32(1), min_compression_rate=1.5,
+                     error_feedback=np.bool_(True), seed=np.uint8(3))  # fmt: skip
+
+
+def test_building_starts_no_backend():
+    """Built before jax.distributed.initialize, as the other transforms may be."""
+    code = (
+        "import jax.numpy as jnp, jaxcomm\n"
+        "from jax._src import xla_bridge\n"
+        "jaxcomm.powersgd('data', rank=4, start_step=10, wire_dtype=jnp.bfloat16)\n"
+        "jaxcomm.powersgd(('node', 'data'), algorithm='hierarchical', backend='ffi')\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
