@@ -78,8 +78,9 @@ def powersgd(
     Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`;
     the optimizer after it sees the same gradient on every device. Use inside
     ``jax.shard_map`` or ``jax.pmap`` over ``axis_name`` on gradients that are
-    still local to each device. The semantics are those of PyTorch DDP's
-    PowerSGD hook.
+    still local to each device. The steps are those of PyTorch DDP's
+    PowerSGD hook, except that a matrix exactly on the compression boundary
+    is compressed and a zero column of a warm-started Q is drawn afresh.
 
     A leaf of ``ndim >= 2`` is viewed as a matrix M of shape
     ``(shape[0], prod(shape[1:]))``; it is compressed when
@@ -209,6 +210,9 @@ def powersgd(
             out, new_residual, q, payload, count = _power_step(
                 leaves, residual, q0, mats, dtype, bound, error_feedback
             )
+            # The two branches of the cond must agree on which values vary
+            # per device; state carried as varying (one row per device) stays so.
+            new_residual, q = _vary_like((new_residual, q), (residual, state.q))
             return out, new_residual, q if warm_start else (), jnp.float32(payload), count
 
         if not mats:
@@ -258,6 +262,20 @@ def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_
             raise TypeError(f"{name}={value!r} must be True or False")
     seed = _validate.check_count("seed", seed)
     return rank, start_step, min_compression_rate, seed
+
+
+def _vary_like(new, old):
+    """`new` typed as varying over every axis its counterpart in `old` varies over."""
+
+    def varying(x) -> frozenset:
+        axis_type = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
+        return frozenset() if axis_type is None else frozenset(axis_type.varying)
+
+    def one(x, like):
+        missing = tuple(sorted(varying(like) - varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, new, old)
 
 
 def _matrices(leaves, rank: int, min_compression_rate: float) -> list[_Matrix]:
