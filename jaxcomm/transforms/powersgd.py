@@ -212,8 +212,9 @@ def powersgd(
             )
             # The two branches of the cond must agree on which values vary
             # per device; state carried as varying (one row per device) stays so.
+            q = q if warm_start else ()
             new_residual, q = _vary_like((new_residual, q), (residual, state.q))
-            return out, new_residual, q if warm_start else (), jnp.float32(payload), count
+            return out, new_residual, q, jnp.float32(payload), count
 
         if not mats:
             branch = dense_step()
