@@ -5,6 +5,7 @@ from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
+from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -12,9 +13,11 @@ __all__ = [
     "ChunkSparseState",
     "CommStats",
     "PerDevice",
+    "PowerSGDState",
     "allreduce_gradients",
     "chunk_sparse",
     "get_stats",
     "plan_buckets",
+    "powersgd",
     "state_specs",
 ]

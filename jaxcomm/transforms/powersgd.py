@@ -1,0 +1,388 @@
+"""powersgd: low-rank gradient compression (PowerSGD, Vogels et al. 2019).
+
+Each large enough matrix-shaped gradient M is sent as two thin factors, one
+step of power iteration per training step: P = M Q averaged over the
+devices and orthonormalised, then Q = M^T P averaged; every device applies
+P Q^T. Q is warm-started from the last step, and what P Q^T misses stays in
+a per-device residual that joins the next step's gradient (error feedback).
+The P of all matrices travel in one collective, their Q in a second, and the
+leaves too small to compress in a third, dense one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomm import _validate
+from jaxcomm.collectives import reduction
+from jaxcomm.transforms import _state
+from jaxcomm.transforms._buckets import plan_buckets
+
+# PowerSGD's small products decide what is sent: keep them in full float32 on
+# every platform (a TF32 or bfloat16 pass would change the factors).
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+class PowerSGDState(NamedTuple):
+    """State of :func:`powersgd`.
+
+    The compressed leaves are those of ``ndim >= 2`` that pass the
+    compression rule, in tree order; ``residual`` and ``q`` hold one entry
+    for each of them.
+
+    Attributes:
+      residual: ``PerDevice`` tuple of error-feedback residuals, each of its
+        leaf's shape and dtype, or ``()`` without error feedback.
+      q: tuple of the Q factors, ``(cols, rank)`` each, that the next step
+        starts from (warm start), or ``()`` without warm start.
+      count: int32, steps taken (a non-finite step does not count).
+      stats: :class:`jaxcomm.CommStats` of the last step.
+    """
+
+    residual: Any
+    q: Any
+    count: jax.Array
+    stats: _state.CommStats
+
+
+class _Matrix(NamedTuple):
+    """A compressed leaf: its index in the tree, its matrix view, its rank."""
+
+    leaf: int
+    rows: int
+    cols: int
+    rank: int
+
+
+def powersgd(
+    axis_name,
+    *,
+    rank: int = 1,
+    start_step: int = 0,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    seed: int = 0,
+    wire_dtype=None,
+    algorithm: str = "auto",
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+    """Averages gradients over ``axis_name``, sending large matrices as rank-``rank`` factors.
+
+    Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`;
+    the optimizer after it sees the same gradient on every device. Use inside
+    ``jax.shard_map`` or ``jax.pmap`` over ``axis_name`` on gradients that are
+    still local to each device. The steps are those of PyTorch DDP's
+    PowerSGD hook, except that a matrix exactly on the compression boundary
+    is compressed and a zero column of a warm-started Q is drawn afresh.
+
+    A leaf of ``ndim >= 2`` is viewed as a matrix M of shape
+    ``(shape[0], prod(shape[1:]))``; it is compressed when
+    ``(rows + cols) * rank * min_compression_rate <= rows * cols``, with rank
+    ``min(rank, rows, cols)``. For every compressed matrix, each step:
+
+    1. ``M <- g + e`` with this device's residual e (error feedback).
+    2. ``P <- mean over devices of M Q``, then P's columns are made
+       orthonormal one after the other, as Gram-Schmidt does (computed as a
+       QR decomposition with R's diagonal made positive, which stays
+       orthogonal when the columns are nearly dependent). A column with
+       nothing left once the earlier ones are taken out (R's diagonal 0, as
+       for a zero gradient) becomes zero, not NaN; it adds nothing to the
+       result.
+    3. ``Q <- mean over devices of M^T P``; the result is ``P Q^T``, the same
+       on every device, and ``e <- M - P Q^T``.
+
+    The other leaves (biases, small matrices) are averaged densely, in one
+    collective per dtype. So a step sends three collectives: every P, every
+    Q, and the dense leaves.
+
+    Q starts as a standard normal float32 draw, the same on every device:
+    ``jax.random.normal(jax.random.fold_in(jax.random.key(seed), t), (n,))``
+    for step t, cut in tree order into each matrix's ``(cols, rank)``
+    (row-major). With ``warm_start`` the first compressed step starts from
+    the draw for t = 0 and each later one from the Q the step before
+    produced; a column of that Q that came out exactly zero (a zero gradient,
+    as at a zero-initialised layer) is taken from the draw for this step
+    instead, so it cannot stay zero for good. Without ``warm_start`` each
+    step t starts from the draw for t.
+
+    Before ``start_step`` every leaf is averaged densely in one collective
+    per dtype, with no error feedback: the residual stays zero.
+
+    Args:
+      axis_name: mesh or pmap axis name, or a tuple of them, as in
+        :func:`jaxcomm.allreduce`.
+      rank: columns of P and Q, a positive int.
+      start_step: dense steps before compression starts, an int >= 0.
+      min_compression_rate: a matrix is compressed only if its factors are at
+        least this many times smaller than it; > 0.
+      error_feedback: keep ``M - P Q^T`` per device and add it to the next
+        step's gradient.
+      warm_start: start each step's power iteration from the last step's Q.
+      seed: the seed of the Q draws, an int >= 0.
+      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every
+        collective (prescaled as in :func:`jaxcomm.allreduce`); the factors
+        are computed in float32 (float64 for float64 gradients) either way.
+      algorithm: as in :func:`jaxcomm.allreduce`.
+      backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`PowerSGDState`;
+      ``jaxcomm.get_stats(state)`` reads what the last step sent, with
+      ``density`` the bytes sent over those of a dense step. A non-finite
+      result (an inf or NaN in any device's gradient spreads to every device
+      through P) is returned as it is and flagged in the stats on every
+      device, and this transform's state stays as it was, so a step that
+      ``optax.apply_if_finite`` skips leaves no trace.
+
+      Options are checked when it is built, without starting JAX's backends.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tx = optax.chain(jaxcomm.powersgd("data", rank=2), optax.sgd(0.1))
+      >>> params = {"kernel": jnp.zeros((64, 32)), "bias": jnp.zeros(32)}
+      >>> with jax.set_mesh(mesh):
+      ...     state = tx.init(params)
+      >>> specs = jaxcomm.state_specs(state, "data")
+      >>> def step(params, state, g):
+      ...     g = jax.tree.map(lambda x: x[0], g)  # this device's gradient
+      ...     updates, state = tx.update(g, state, params)
+      ...     return optax.apply_updates(params, updates), state
+      >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+      ...                             out_specs=(P(), specs)))
+      >>> rng = np.random.default_rng(0)
+      >>> g = {k: rng.standard_normal((jax.device_count(), *v.shape), np.float32)
+      ...      for k, v in params.items()}
+      >>> g = jax.device_put(g, jax.sharding.NamedSharding(mesh, P("data")))
+      >>> state = jax.device_put(state, jax.tree.map(
+      ...     lambda s: jax.sharding.NamedSharding(mesh, s), specs))
+      >>> params, state = run(params, state, g)
+      >>> stats = jaxcomm.get_stats(state)
+      >>> int(stats.collectives)  # P, Q, and the bias
+      3
+      >>> round(float(stats.density), 4)  # (2 * (64 + 32) + 32) / (64 * 32 + 32)
+      0.1077
+    """
+    rank, start_step, min_compression_rate, seed = _check_options(
+        rank, start_step, min_compression_rate, error_feedback, warm_start, seed
+    )
+    comm = reduction(
+        axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
+    )
+
+    def matrices(leaves) -> list[_Matrix]:
+        return _matrices(leaves, rank, min_compression_rate)
+
+    def init(params):
+        leaves = jax.tree.leaves(params)
+        mats = matrices(leaves)
+        residual = ()
+        if error_feedback:
+            rows = _state.devices_on(comm)[0] if mats else 0
+            residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), rows)
+        q = _draw(seed, 0, mats, _factor_dtype(leaves, mats)) if warm_start else ()
+        return PowerSGDState(residual=residual, q=q, count=jnp.int32(0), stats=_state.empty_stats())
+
+    def update(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates)
+        comm.check_dtypes(leaves)
+        bound = comm.bind()
+        bound.check_local(updates)
+        mats = matrices(leaves)
+        dtype = _factor_dtype(leaves, mats)
+        residual = _state.local(state.residual) if error_feedback else ()
+
+        def dense_step():
+            reduced, payload, count = _mean_in_buckets(leaves, range(len(leaves)), bound)
+            return reduced, residual, state.q, jnp.float32(payload), jnp.int32(count)
+
+        def compressed_step():
+            q0 = _start_q(state, seed, mats, dtype)
+            out, new_residual, q, payload, count = _power_step(
+                leaves, residual, q0, mats, dtype, bound, error_feedback
+            )
+            # The two branches of the cond must agree on which values vary
+            # per device; state carried as varying (one row per device) stays so.
+            q = q if warm_start else ()
+            new_residual, q = _vary_like((new_residual, q), (residual, state.q))
+            return out, new_residual, q, jnp.float32(payload), count
+
+        if not mats:
+            branch = dense_step()
+        elif start_step == 0:
+            branch = compressed_step()
+        else:
+            branch = jax.lax.cond(state.count < start_step, dense_step, compressed_step)
+        out, new_residual, q, payload, count = branch
+        out = jax.tree.unflatten(treedef, out)
+        nonfinite = _any_nonfinite(out)
+
+        dense_payload = sum(
+            bound.payload_bytes(int(np.size(x)), jnp.result_type(x)) for x in leaves
+        )
+        stats = _state.CommStats(
+            payload_bytes=payload,
+            bytes_sent=bound.bytes_sent(payload),
+            collectives=count,
+            density=payload / dense_payload if dense_payload else jnp.float32(1),
+            nonfinite=nonfinite,
+        )
+        new = PowerSGDState(
+            residual=_state.as_row(new_residual) if error_feedback else (),
+            q=q,
+            count=state.count + 1,
+            stats=stats,
+        )
+        # A non-finite step leaves no trace: the flag is the same on every
+        # device (the result is), so all of them keep their state.
+        kept = state._replace(stats=stats)
+        new = jax.tree.map(lambda a, b: jnp.where(nonfinite, a, b), kept, new)
+        return out, new
+
+    return optax.GradientTransformation(init, update)
+
+
+def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed):
+    """Every option of :func:`powersgd` that ``reduction`` does not check."""
+    rank = _validate.check_positive_integer("rank", rank)
+    start_step = _validate.check_count("start_step", start_step)
+    if not _validate.is_real(min_compression_rate):
+        raise TypeError(f"min_compression_rate={min_compression_rate!r} must be a number")
+    min_compression_rate = _validate.check_positive("min_compression_rate", min_compression_rate)
+    for name, value in (("error_feedback", error_feedback), ("warm_start", warm_start)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}={value!r} must be True or False")
+    seed = _validate.check_count("seed", seed)
+    return rank, start_step, min_compression_rate, seed
+
+
+def _vary_like(new, old):
+    """`new` typed as varying over every axis its counterpart in `old` varies over."""
+
+    def varying(x) -> frozenset:
+        axis_type = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
+        return frozenset() if axis_type is None else frozenset(axis_type.varying)
+
+    def one(x, like):
+        missing = tuple(sorted(varying(like) - varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, new, old)
+
+
+def _matrices(leaves, rank: int, min_compression_rate: float) -> list[_Matrix]:
+    """The leaves worth compressing, in tree order, with their matrix views."""
+    out = []
+    for i, leaf in enumerate(leaves):
+        shape = np.shape(leaf)
+        if len(shape) < 2:
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        if (rows + cols) * rank * min_compression_rate <= rows * cols:
+            out.append(_Matrix(i, rows, cols, min(rank, rows, cols)))
+    return out
+
+
+def _factor_dtype(leaves, mats):
+    """float64 when a compressed leaf is, float32 otherwise (16-bit leaves too)."""
+    wide = any(np.dtype(jnp.result_type(leaves[m.leaf])).itemsize > 4 for m in mats)
+    return jnp.float64 if wide else jnp.float32
+
+
+def _draw(seed: int, step, mats, dtype) -> tuple:
+    """The standard normal Q of every matrix for `step`, the same on every device."""
+    total = sum(m.cols * m.rank for m in mats)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    flat = jax.random.normal(key, (total,), jnp.float32).astype(dtype)
+    return tuple(_split(flat, [(m.cols, m.rank) for m in mats]))
+
+
+def _start_q(state, seed: int, mats, dtype) -> list:
+    """This step's Q: the last one (zero columns drawn afresh) or a fresh draw."""
+    fresh = _draw(seed, state.count, mats, dtype)
+    if not state.q:
+        return list(fresh)
+    return [jnp.where(jnp.all(q == 0, axis=0), f, q) for q, f in zip(state.q, fresh, strict=True)]
+
+
+def _power_step(leaves, residual, q0, mats, dtype, bound, error_feedback: bool):
+    """One compressed step: (result leaves, new residuals, new Q, payload
+    bytes, collectives)."""
+    ms = [leaves[m.leaf].reshape(m.rows, m.cols).astype(dtype) for m in mats]
+    if error_feedback:
+        ms = [mm + e.reshape(mm.shape).astype(dtype) for mm, e in zip(ms, residual, strict=True)]
+    compressed = {m.leaf for m in mats}
+    out, payload, count = _mean_in_buckets(
+        leaves, [i for i in range(len(leaves)) if i not in compressed], bound
+    )
+
+    ps = [jnp.matmul(mm, q, precision=_PRECISION) for mm, q in zip(ms, q0, strict=True)]
+    ps = _split(bound.allreduce_bucket(ps), [p.shape for p in ps])
+    ps = [_orthonormal_columns(p) for p in ps]
+    qs = [jnp.matmul(mm.T, p, precision=_PRECISION) for mm, p in zip(ms, ps, strict=True)]
+    qs = _split(bound.allreduce_bucket(qs), [q.shape for q in qs])
+    payload += sum(bound.payload_bytes(p.size + q.size, dtype) for p, q in zip(ps, qs, strict=True))
+
+    new_residual = []
+    for m, mm, p, q in zip(mats, ms, ps, qs, strict=True):
+        approx = jnp.matmul(p, q.T, precision=_PRECISION)
+        leaf = leaves[m.leaf]
+        out[m.leaf] = approx.reshape(jnp.shape(leaf)).astype(jnp.result_type(leaf))
+        if error_feedback:
+            new_residual.append((mm - approx).reshape(jnp.shape(leaf)).astype(leaf.dtype))
+    return out, tuple(new_residual) if error_feedback else (), tuple(qs), payload, count + 2
+
+
+def _orthonormal_columns(p):
+    """P's columns made orthonormal left to right: Gram-Schmidt's result,
+    computed as a QR decomposition (Householder), which stays orthogonal to
+    rounding error when the columns are nearly dependent, as warm-started
+    ones become. R's diagonal is made positive; where it is 0 (a column
+    that is a combination of the earlier ones, e.g. a zero gradient) the
+    column is zero rather than an arbitrary direction."""
+    q, r = jnp.linalg.qr(p)
+    diagonal = jnp.diagonal(r)
+    return q * jnp.where(diagonal < 0, -1, 1).astype(q.dtype) * (diagonal != 0).astype(q.dtype)
+
+
+def _mean_in_buckets(leaves, indices, bound):
+    """The mean of leaves[indices] in one collective per dtype; returns (all
+    leaves, the reduced ones replaced; payload bytes; collectives)."""
+    indices = list(indices)
+    dtypes = [np.dtype(jnp.result_type(leaves[i])) for i in indices]
+    nbytes = [int(np.size(leaves[i])) * d.itemsize for i, d in zip(indices, dtypes, strict=True)]
+    out = list(leaves)  # zero-size leaves are in no bucket and come back as they are
+    payload = 0
+    buckets = plan_buckets(nbytes, math.inf, kinds=dtypes)
+    for bucket in buckets:
+        members = [indices[j] for j in bucket]
+        flat = bound.allreduce_bucket([leaves[i] for i in members])
+        payload += bound.payload_bytes(flat.size, dtypes[bucket[0]])
+        parts = _split(flat, [jnp.shape(leaves[i]) for i in members])
+        for i, part in zip(members, parts, strict=True):
+            out[i] = part
+    return out, payload, len(buckets)
+
+
+def _split(flat, shapes) -> list:
+    parts, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        parts.append(flat[offset : offset + n].reshape(shape))
+        offset += n
+    return parts
+
+
+def _any_nonfinite(tree) -> jax.Array:
+    # x * 0 is 0 for finite x and NaN otherwise, and a sum keeps a NaN.
+    flags = [~jnp.isfinite(jnp.sum(x * 0)) for x in jax.tree.leaves(tree) if np.size(x)]
+    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
