@@ -62,16 +62,57 @@ def empty_stats() -> CommStats:
 def get_stats(opt_state) -> CommStats:
     """The :class:`CommStats` of the (only) jaxcomm transform in ``opt_state``.
 
-    Works on the state of an ``optax.chain`` or any nesting of it.
+    Works on the state of an ``optax.chain`` or any nesting of it, and on
+    Flax NNX state (``nnx.state(optimizer)``, ``optimizer.opt_state``), whose
+    variables it unwraps: the fields are plain arrays.
     """
     found = [
         s
         for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CommStats))
         if isinstance(s, CommStats)
     ]
+    if not found:
+        found = _stats_by_name(opt_state)
     if len(found) != 1:
         raise ValueError(f"expected one jaxcomm transform's stats in the state, found {len(found)}")
-    return found[0]
+    # A container (nnx.Variable) around each field is a pytree node over its array.
+    return CommStats(*(_unwrap(field) for field in found[0]))
+
+
+def _unwrap(field):
+    leaves = jax.tree.leaves(field)
+    return leaves[0] if len(leaves) == 1 else field
+
+
+def _names(path) -> tuple:
+    """A key path as plain names: nnx.State turns a NamedTuple's fields
+    (GetAttrKey) into dict keys (DictKey), so only the names compare."""
+    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _jaxcomm_prefixes(tree) -> list[tuple]:
+    """Where a jaxcomm state sits in a container that dropped its types
+    (nnx.state(optimizer) holds nested dicts): every path with a ``stats``
+    entry holding exactly the fields of CommStats."""
+    fields: dict[tuple, set] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = _names(path)
+        for i, name in enumerate(names[:-1]):
+            if name == "stats" and names[i + 1] in CommStats._fields:
+                fields.setdefault(names[:i], set()).add(names[i + 1])
+    return [p for p, f in fields.items() if f == set(CommStats._fields)]
+
+
+def _stats_by_name(tree) -> list[CommStats]:
+    found = []
+    for prefix in _jaxcomm_prefixes(tree):
+        leaves = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            names = _names(path)
+            if names[: len(prefix) + 1] == (*prefix, "stats"):
+                leaves[names[len(prefix) + 1]] = x
+        found.append(CommStats(**leaves))
+    return found
 
 
 def devices_on(comm: Reduction) -> tuple[int, bool]:
@@ -112,7 +153,10 @@ def state_specs(opt_state, axis_name):
     """PartitionSpecs for carrying ``opt_state`` through ``jax.shard_map``.
 
     Shared leaves get ``P()``; leaves inside :class:`PerDevice` get
-    ``P(axis_name)`` (their leading axis has one row per device).
+    ``P(axis_name)`` (their leading axis has one row per device). Takes an
+    optax state, a Flax ``TrainState`` or NNX state (``nnx.state(optimizer)``,
+    ``nnx.split((model, optimizer))[1]``, ``optimizer.opt_state``), and
+    returns specs of the same structure.
 
     Examples:
       >>> import jax, optax, jaxcomm
@@ -125,10 +169,17 @@ def state_specs(opt_state, axis_name):
       (P('data',), ())
     """
     spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
+    # Flax NNX state keeps the field names but not the PerDevice type.
+    residuals = [(*p, "residual", "value") for p in _jaxcomm_prefixes(opt_state)]
 
-    def one(node):
+    def one(path, node):
         if isinstance(node, PerDevice):
             return PerDevice(jax.tree.map(lambda _: spec, node.value))
+        names = _names(path)
+        if any(names[: len(r)] == r for r in residuals):
+            return spec
         return P()
 
-    return jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, PerDevice))
+    return jax.tree_util.tree_map_with_path(
+        one, opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
+    )
