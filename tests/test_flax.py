@@ -1,6 +1,8 @@
 """The transforms inside Flax's own training containers: nnx.Optimizer under
-jit + shard_map, and a Linen TrainState under pmap. Each run must equal the
-same container driven by lax.pmean gradients and plain optax."""
+jit + shard_map, and a Linen TrainState under pmap and under shard_map, with
+the state carried by jaxcomm.state_specs. Each run must equal the same
+container driven by lax.pmean gradients and plain optax, or (for inexact
+options) the same transform as plain optax, or under pmap."""
 
 from __future__ import annotations
 
