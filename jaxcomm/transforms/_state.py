@@ -127,6 +127,12 @@ def devices_on(comm: Reduction) -> tuple[int, bool]:
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     missing = [a for a in axes if a not in sizes]
+    if missing and sizes:
+        raise ValueError(
+            f"axis_name {missing[0]!r} is not an axis of the current mesh (from jax.set_mesh "
+            f"or shard_map), whose axes are {tuple(sizes)}; this transform was built with "
+            f"axis_name={axes}"
+        )
     if missing:
         raise ValueError(
             f"this transform keeps a per-device residual, so init needs the size of axes "
@@ -134,6 +140,29 @@ def devices_on(comm: Reduction) -> tuple[int, bool]:
             "`with jax.set_mesh(mesh):`"
         )
     return math.prod(sizes[a] for a in axes), False
+
+
+def check_same_tree(updates, reference, what: str, argument: str = "gradient") -> None:
+    """Raises ValueError naming the first path where the gradient tree and
+    `reference` (a tree the state was built with) differ in leaves or shapes."""
+    got = {jax.tree_util.keystr(p): jnp.shape(x) for p, x in _with_path(updates)}
+    want = {jax.tree_util.keystr(p): jnp.shape(x) for p, x in _with_path(reference)}
+    if got == want:
+        return
+    hint = "the gradient's tree must be that of the params the optimizer state was built for"
+    for path, shape in want.items():
+        if path not in got:
+            raise ValueError(f"{argument}{path} is missing: {hint}")
+        if got[path] != shape:
+            raise ValueError(
+                f"{argument}{path} has shape {got[path]} but the {what} holds {shape} there: {hint}"
+            )
+    extra = next(p for p in got if p not in want)
+    raise ValueError(f"{argument}{extra} is not in the {what}: {hint}")
+
+
+def _with_path(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def per_device_zeros(tree, rows: int) -> PerDevice:

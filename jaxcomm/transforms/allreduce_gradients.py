@@ -145,7 +145,11 @@ def allreduce_gradients(
 
     def update(updates, state, params=None):
         del params
-        comm.check_dtypes(jax.tree.leaves(updates))
+        comm.check_dtypes(updates)
+        if error_feedback:
+            _state.check_same_tree(updates, _state.local(state.residual), "error-feedback residual")
+        if double_buffering:
+            _state.check_same_tree(updates, state.buffer, "double buffer")
         bound = comm.bind()
         bound.check_local(updates)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes

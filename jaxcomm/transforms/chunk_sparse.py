@@ -165,10 +165,11 @@ def chunk_sparse(
 
     def update(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates)
-        exchange.check_dtypes(leaves)
+        exchange.check_dtypes(updates)
+        size = sum(int(np.size(x)) for x in leaves)
+        _check_pool_size(updates, size, state, params)
         bound = exchange.bind()
         bound.check_local(updates)
-        size = sum(int(np.size(x)) for x in leaves)
         nchunks = state.mask.shape[0]
         if size == 0:  # nothing to exchange: no collective, only the inner step
             upd, inner_state = inner.update(updates, state.inner, params)
@@ -223,6 +224,20 @@ def chunk_sparse(
         return upd, new
 
     return optax.GradientTransformation(init, update)
+
+
+def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> None:
+    """A gradient of another size than the residual pool: name the leaf that
+    differs from the params where they are given."""
+    pool = jnp.shape(state.residual.value)[-1]
+    if size == pool:
+        return
+    if params is not None:
+        _state.check_same_tree(updates, params, "params")
+    raise ValueError(
+        f"the gradient has {size} elements, the optimizer state was built for params with "
+        f"{pool}: the gradient's tree must be that of those params"
+    )
 
 
 def _pool_dtype(leaves):
