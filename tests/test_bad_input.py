@@ -13,6 +13,8 @@ Every bad input tried is a row of one of these tables:
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ import pytest
 
 import jaxcomm
 from jaxcomm.collectives import _ffi
-from tests.harness import mesh_of, run_sharded, run_steps
+from tests.harness import mesh_of, random_grads, run_sharded, run_steps
 
 # What the messages list as allowed.
 INPUT_DTYPES = "jaxcomm collectives take float32, float16, bfloat16, float64"
@@ -685,3 +687,35 @@ def test_init_under_a_mesh_without_the_axis_names_both(make_tx):
 
 def _ef(axis):
     return _ar_grads(axis, wire_dtype=jnp.bfloat16, error_feedback=True)
+
+
+def test_chunk_sparse_warns_when_the_model_is_too_small_to_be_sparse():
+    """10k parameters are one chunk of the default 32768: every step sends the
+    whole gradient. init says so, and the stats show it."""
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1)
+    params = {"w": np.zeros((100, 100), np.float32)}
+    grads = random_grads(np.random.default_rng(0), {"w": (100, 100)}, 8, 3)
+    message = (
+        "chunk_sparse: 10000 gradient elements make 1 chunk(s) of chunk_size=32768, and at "
+        "least one whole chunk travels each step, so density=0.1 is not reachable: each step "
+        "exchanges 1 of the gradient. A chunk_size of at most 1000 gives 1/density chunks or more."
+    )
+    with pytest.warns(UserWarning) as record:
+        _, _, state = run_steps(tx, params, grads, mesh_of((8,), ("data",)))
+    assert [str(w.message) for w in record] == [message]
+    assert state.stats.density[0] == 1.0
+
+
+def test_chunk_sparse_reachable_density_does_not_warn_and_stats_count_elements():
+    """100 elements in chunks of 64: two chunks, 64 and 36 elements. Density
+    0.5 is one chunk, reachable; when the short chunk is the one sent, 36% of
+    the gradient travels, and stats.density says 0.36, not half the chunks."""
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.5, chunk_size=64)
+    g = np.ones((8, 100), np.float32)
+    g[:, 64:] = 10.0  # the short chunk has the larger L1 norm: step 1 sends it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, state = run_steps(
+            tx, {"w": np.zeros(100, np.float32)}, [{"w": g}] * 2, mesh_of((8,), ("data",))
+        )
+    assert state.stats.density[0] == pytest.approx(0.36, rel=1e-6)

@@ -13,6 +13,7 @@ allreduced L1 norm; density ramps from 1 to its final value during warm-up.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -90,7 +91,14 @@ def chunk_sparse(
         exchanged part.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       density: final fraction of chunks exchanged, in (0, 1].
-      chunk_size: elements per chunk (GradientFlow uses 32768).
+      chunk_size: elements per chunk (GradientFlow uses 32768). At least one
+        chunk travels each step, so a model of fewer than ``1 / density``
+        chunks cannot reach ``density``: a 10k-parameter model is one
+        32768-element chunk and stays dense. ``init`` warns then, naming the
+        density the chunks allow; the size stays what you chose (a smaller
+        chunk means more norms to exchange and a finer mask, a trade-off this
+        transform does not make for you). ``stats.density`` reports the
+        fraction of gradient elements actually exchanged.
       warmup_steps: steps over which density ramps from 1 to ``density``.
       residual_decay: factor on the unsent gradient kept for the next step
         (momentum correction), in [0, 1].
@@ -154,6 +162,7 @@ def chunk_sparse(
         pool = _pool_dtype(leaves)
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = max(1, -(-size // chunk_size))
+        _warn_if_not_sparse(size, nchunks, chunk_size, density)
         rows = _state.devices_on(exchange)[0]
         return ChunkSparseState(
             inner=inner.init(params),
@@ -206,7 +215,7 @@ def chunk_sparse(
             payload_bytes=(payload + norm_payload).astype(jnp.float32),
             bytes_sent=bound.bytes_sent(payload) + bound.bytes_sent(norm_payload),
             collectives=jnp.int32(2),
-            density=jnp.mean(state.mask.astype(jnp.float32)),
+            density=_element_density(state.mask, chunk_size, size),
             nonfinite=nonfinite,
         )
         new = ChunkSparseState(
@@ -238,6 +247,29 @@ def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> Non
         f"the gradient has {size} elements, the optimizer state was built for params with "
         f"{pool}: the gradient's tree must be that of those params"
     )
+
+
+def _warn_if_not_sparse(size: int, nchunks: int, chunk_size: int, density: float) -> None:
+    """Warns (once per call site, Python's default) when whole chunks make the
+    density unreachable: at least twice what was asked for."""
+    reachable = _selected(density, nchunks) / nchunks
+    if reachable >= 2 * density:
+        warnings.warn(
+            f"chunk_sparse: {size} gradient elements make {nchunks} chunk(s) of "
+            f"chunk_size={chunk_size}, and at least one whole chunk travels each step, so "
+            f"density={density:g} is not reachable: each step exchanges {reachable:.3g} of "
+            f"the gradient. A chunk_size of at most {max(1, int(size * density))} gives "
+            f"1/density chunks or more.",
+            stacklevel=3,
+        )
+
+
+def _element_density(mask, chunk_size: int, size: int):
+    """The fraction of gradient elements in the chunks of `mask` (the last
+    chunk may be shorter than the others)."""
+    starts = np.arange(mask.shape[0]) * chunk_size
+    lengths = np.minimum(chunk_size, size - starts).astype(np.float32)
+    return jnp.sum(jnp.where(mask, lengths, 0)) / np.float32(size)
 
 
 def _pool_dtype(leaves):
