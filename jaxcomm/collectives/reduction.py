@@ -183,7 +183,9 @@ class BoundReduction(NamedTuple):
                     "over the devices), so reducing it again would give N times the mean. "
                     "Differentiate with respect to varying params: "
                     f"jax.lax.pcast(params, {axes if len(axes) > 1 else axes[0]!r}, "
-                    'to="varying")'
+                    'to="varying"). A gradient that an optimizer state holds between '
+                    "steps (optax.MultiSteps' accumulator) is per device: carry that "
+                    "state with the specs of jaxcomm.state_specs"
                 )
 
     @property

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import Reduction
@@ -187,6 +188,11 @@ def state_specs(opt_state, axis_name):
     ``nnx.split((model, optimizer))[1]``, ``optimizer.opt_state``), and
     returns specs of the same structure.
 
+    ``optax.MultiSteps`` around a jaxcomm transform accumulates each device's
+    local gradient, so its ``acc_grads`` get ``P(axis_name)`` too. They have
+    no device axis of their own: build that state inside ``jax.shard_map``
+    with these specs as ``out_specs`` (see docs/compose.md).
+
     Examples:
       >>> import jax, optax, jaxcomm
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -204,11 +210,26 @@ def state_specs(opt_state, axis_name):
     def one(path, node):
         if isinstance(node, PerDevice):
             return PerDevice(jax.tree.map(lambda _: spec, node.value))
+        if isinstance(node, optax.MultiStepsState):
+            inner = state_specs(node.inner_opt_state, axis_name)
+            local = _holds_jaxcomm_state(node.inner_opt_state)
+            return optax.MultiStepsState(
+                mini_step=P(),
+                gradient_step=P(),
+                inner_opt_state=inner,
+                acc_grads=jax.tree.map(lambda _: spec if local else P(), node.acc_grads),
+                skip_state=jax.tree.map(lambda _: P(), node.skip_state),
+            )
         names = _names(path)
         if any(names[: len(r)] == r for r in residuals):
             return spec
         return P()
 
     return jax.tree_util.tree_map_with_path(
-        one, opt_state, is_leaf=lambda x: isinstance(x, PerDevice)
+        one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
     )
+
+
+def _holds_jaxcomm_state(tree) -> bool:
+    stats = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, CommStats))
+    return any(isinstance(s, CommStats) for s in stats) or bool(_jaxcomm_prefixes(tree))
