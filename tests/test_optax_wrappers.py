@@ -254,3 +254,41 @@ def test_multi_steps_state_carried_as_replicated_says_to_use_state_specs():
     g = jax.device_put(np.ones((N, 16), np.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match="optax.MultiSteps' accumulator.*jaxcomm.state_specs"):
         run(params, state, g)
+
+
+def test_accumulating_inside_the_step_communicates_once_per_k():
+    """docs/compose.md's alternative to MultiSteps: K micro-batches summed
+    locally by a scan, one tx.update, one collective; the params move by the
+    mean over devices and micro-batches."""
+    lr = 1.0
+    tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(lr))
+    mesh = mesh_of((N,), ("data",))
+    params = _params()
+    state = tx.init(params)
+    grads = np.stack([g["w"] for g in _grads(K)], 1)  # (N, K, 128): device, micro-batch
+
+    def loss(p, g):  # a linear loss whose gradient in w is g
+        return jnp.vdot(p["w"], g) + 0 * jnp.sum(p["b"])
+
+    def step(params, opt_state, micro_batches):
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+
+        def add(acc, batch):
+            return jax.tree.map(jnp.add, acc, jax.grad(loss)(local, batch)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, local)
+        summed, _ = jax.lax.scan(add, zeros, micro_batches[0])
+        updates, opt_state = tx.update(jax.tree.map(lambda g: g / K, summed), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    )
+    x = jax.device_put(grads, NamedSharding(mesh, P("data")))
+    hlo = run.lower(params, state, x).compile().as_text()
+    assert len([line for line in hlo.splitlines() if " all-reduce(" in line]) == 1
+    new, state = jax.block_until_ready(run(params, state, x))
+    # One per leaf on xla (its combiner made them the one all-reduce above), not per micro-batch.
+    assert int(jaxcomm.get_stats(state).collectives) == len(SHAPES)
+    want = params["w"] - lr * grads.astype(np.float64).mean((0, 1))
+    np.testing.assert_allclose(new["w"], want, rtol=1e-5, atol=1e-6)

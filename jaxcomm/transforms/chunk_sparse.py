@@ -88,7 +88,8 @@ def chunk_sparse(
       inner: the optimizer to run on the exchanged gradient. Parameter-shaped
         leaves of its state are held on unimportant chunks; it sees zeros
         there, so transformations like ``clip_by_global_norm`` see only the
-        exchanged part.
+        exchanged part. Clipping goes here, not before this transform: there
+        it would clip each device's local gradient by its own norm.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       density: final fraction of chunks exchanged, in (0, 1].
       chunk_size: elements per chunk (GradientFlow uses 32768). At least one
