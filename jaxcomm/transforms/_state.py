@@ -96,7 +96,7 @@ def _jaxcomm_prefixes(tree) -> list[tuple]:
     (nnx.state(optimizer) holds nested dicts): every path with a ``stats``
     entry holding exactly the fields of CommStats."""
     fields: dict[tuple, set] = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, _ in _with_path(tree):
         names = _names(path)
         for i, name in enumerate(names[:-1]):
             if name == "stats" and names[i + 1] in CommStats._fields:
@@ -108,7 +108,7 @@ def _stats_by_name(tree) -> list[CommStats]:
     found = []
     for prefix in _jaxcomm_prefixes(tree):
         leaves = {}
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for path, x in _with_path(tree):
             names = _names(path)
             if names[: len(prefix) + 1] == (*prefix, "stats"):
                 leaves[names[len(prefix) + 1]] = x
