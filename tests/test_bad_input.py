@@ -719,3 +719,26 @@ def test_chunk_sparse_reachable_density_does_not_warn_and_stats_count_elements()
             tx, {"w": np.zeros(100, np.float32)}, [{"w": g}] * 2, mesh_of((8,), ("data",))
         )
     assert state.stats.density[0] == pytest.approx(0.36, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "size,chunk_size,density,fix",
+    [
+        (3, 4, 0.3, "The gradient has fewer than 1/density elements: no chunk_size reaches it."),
+        (100, 64, 0.1, "A chunk_size of at most 10 gives 1/density chunks or more."),
+    ],
+)
+def test_chunk_sparse_warning_suggests_a_chunk_size_only_where_one_exists(
+    size, chunk_size, density, fix
+):
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=density, chunk_size=chunk_size)
+    with jax.set_mesh(mesh_of((8,), ("data",))), pytest.warns(UserWarning) as record:
+        tx.init({"w": np.zeros(size, np.float32)})
+    assert str(record[0].message).endswith(fix)
+
+
+def test_chunk_sparse_on_an_empty_gradient_does_not_warn():
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.5, chunk_size=4)
+    with jax.set_mesh(mesh_of((8,), ("data",))), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx.init({"w": np.zeros(0, np.float32)})

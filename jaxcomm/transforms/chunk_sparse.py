@@ -254,15 +254,20 @@ def _warn_if_not_sparse(size: int, nchunks: int, chunk_size: int, density: float
     """Warns (once per call site, Python's default) when whole chunks make the
     density unreachable: at least twice what was asked for."""
     reachable = _selected(density, nchunks) / nchunks
-    if reachable >= 2 * density:
-        warnings.warn(
-            f"chunk_sparse: {size} gradient elements make {nchunks} chunk(s) of "
-            f"chunk_size={chunk_size}, and at least one whole chunk travels each step, so "
-            f"density={density:g} is not reachable: each step exchanges {reachable:.3g} of "
-            f"the gradient. A chunk_size of at most {max(1, int(size * density))} gives "
-            f"1/density chunks or more.",
-            stacklevel=3,
-        )
+    if size == 0 or reachable < 2 * density:
+        return
+    if size * density >= 1:
+        # ceil(size / c) >= 1 / density chunks, so whole chunks overshoot by under 2x.
+        fix = f"A chunk_size of at most {int(size * density)} gives 1/density chunks or more."
+    else:
+        fix = "The gradient has fewer than 1/density elements: no chunk_size reaches it."
+    warnings.warn(
+        f"chunk_sparse: {size} gradient elements make {nchunks} chunk(s) of "
+        f"chunk_size={chunk_size}, and at least one whole chunk travels each step, so "
+        f"density={density:g} is not reachable: each step exchanges {reachable:.3g} of "
+        f"the gradient. {fix}",
+        stacklevel=3,
+    )
 
 
 def _element_density(mask, chunk_size: int, size: int):
