@@ -206,7 +206,11 @@ def _nnx_container_run(config: str):
         state = jax.block_until_ready(run(state, x, y))
     model, optimizer = nnx.merge(graphdef, state)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return jax.tree.map(np.asarray, params), jaxcomm.get_stats(nnx.state(optimizer))
+    stats = jaxcomm.get_stats(nnx.state(optimizer))
+    # The optimizer's own opt_state holds nnx variables; get_stats unwraps them too.
+    for a, b in zip(jaxcomm.get_stats(optimizer.opt_state), stats, strict=True):
+        assert isinstance(a, jax.Array) and np.array_equal(a, b)
+    return jax.tree.map(np.asarray, params), stats
 
 
 def _nnx_functional_run(tx, reduce: str):
