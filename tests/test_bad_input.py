@@ -13,6 +13,9 @@ Every bad input tried is a row of one of these tables:
 
 from __future__ import annotations
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -20,7 +23,7 @@ import pytest
 
 import jaxcomm
 from jaxcomm.collectives import _ffi
-from tests.harness import mesh_of, run_sharded, run_steps
+from tests.harness import mesh_of, random_grads, run_sharded, run_steps
 
 # What the messages list as allowed.
 INPUT_DTYPES = "jaxcomm collectives take float32, float16, bfloat16, float64"
@@ -474,14 +477,14 @@ TRANSFORM_STEPS = [
         lambda: _ar_grads(wire_dtype=F16),
         np.int32,
         TypeError,
-        f"gradient leaf 0 has dtype int32; {INPUT_DTYPES}",
+        rf"gradient\['w'\] has dtype int32; {INPUT_DTYPES}",
     ),
     (
         "allreduce_gradients: complex gradient",
         lambda: _ar_grads(),
         np.complex64,
         TypeError,
-        f"gradient leaf 0 has dtype complex64; {INPUT_DTYPES}",
+        rf"gradient\['w'\] has dtype complex64; {INPUT_DTYPES}",
     ),
     (
         "allreduce_gradients: unbound axis",
@@ -502,21 +505,22 @@ TRANSFORM_STEPS = [
         lambda: _sparse(wire_dtype=F16),
         np.int32,
         TypeError,
-        f"gradient leaf 0 has dtype int32; {INPUT_DTYPES}",
+        rf"gradient\['w'\] has dtype int32; {INPUT_DTYPES}",
     ),
     (
         "chunk_sparse: complex gradient",
         lambda: _sparse(),
         np.complex64,
         TypeError,
-        f"gradient leaf 0 has dtype complex64; {INPUT_DTYPES}",
+        rf"gradient\['w'\] has dtype complex64; {INPUT_DTYPES}",
     ),
     (
         "chunk_sparse: unbound axis (init sizes the residual)",
         lambda: _sparse("nope"),
         F32,
         ValueError,
-        r"init needs the size of axes \['nope'\]: call init inside jax.shard_map",
+        r"axis_name 'nope' is not an axis of the current mesh \(from jax.set_mesh or "
+        r"shard_map\), whose axes are \('data',\)",
     ),
 ]
 
@@ -615,3 +619,126 @@ def test_ffi_missing_leaves_auto_on_xla(monkeypatch):
 def test_bad_timeout():
     with pytest.raises(ValueError, match="must be positive"):
         jaxcomm.set_ffi_timeout(0)
+
+
+def _without_params(tx):
+    """`tx` called as optax allows: update(updates, state) with no params."""
+    return optax.GradientTransformation(tx.init, lambda u, s, p=None: tx.update(u, s))
+
+
+PARAMS = {"a": np.zeros(64, np.float32), "b": np.zeros(4, np.float32)}
+MISSING_B = {"a": np.ones((8, 64), np.float32)}
+SHORT_A = {"a": np.ones((8, 60), np.float32), "b": np.ones((8, 4), np.float32)}
+EXTRA_C = {
+    **{k: np.ones((8, *v.shape), np.float32) for k, v in PARAMS.items()},
+    "c": MISSING_B["a"],
+}
+SPARSE = lambda: jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.5, chunk_size=8)  # noqa: E731
+EF = lambda: _ar_grads(wire_dtype=jnp.bfloat16, error_feedback=True)  # noqa: E731
+DB = lambda: optax.chain(_ar_grads(double_buffering=True), optax.sgd(0.1))  # noqa: E731
+TREE = "the gradient's tree must be that of the params the optimizer state was built for"
+
+# A gradient whose tree is not the params' (description, transform, gradient,
+# message): the error names the path that differs.
+MISMATCHED_TREES = [
+    ("chunk_sparse: missing leaf", SPARSE, MISSING_B, rf"gradient\['b'\] is missing: {TREE}"),
+    (
+        "chunk_sparse: wrong shape",
+        SPARSE,
+        SHORT_A,
+        rf"gradient\['a'\] has shape \(60,\) but the params holds \(64,\) there: {TREE}",
+    ),
+    ("chunk_sparse: extra leaf", SPARSE, EXTRA_C, rf"gradient\['c'\] is not in the params: {TREE}"),
+    (
+        "chunk_sparse: missing leaf, no params given",
+        lambda: _without_params(SPARSE()),
+        MISSING_B,
+        "the gradient has 64 elements, the optimizer state was built for params with 68",
+    ),
+    ("allreduce_gradients: error feedback", EF, MISSING_B, rf"gradient\['b'\] is missing: {TREE}"),
+    (
+        "allreduce_gradients: error feedback, wrong shape",
+        EF,
+        SHORT_A,
+        r"gradient\['a'\] has shape \(60,\) but the error-feedback residual holds \(64,\) there",
+    ),
+    ("allreduce_gradients: double buffering", DB, EXTRA_C, r"gradient\['c'\] is not in the double"),
+]
+
+
+@pytest.mark.parametrize("case", MISMATCHED_TREES, ids=[c[0] for c in MISMATCHED_TREES])
+def test_mismatched_gradient_tree_names_the_path(case):
+    _, make_tx, grads, pattern = case
+    mesh = mesh_of((8,), ("data",))
+    with pytest.raises(ValueError, match=pattern):
+        run_steps(make_tx(), PARAMS, [grads], mesh)
+
+
+@pytest.mark.parametrize("make_tx", [_sparse, lambda axis: _ef(axis)], ids=["sparse", "ef"])
+def test_init_under_a_mesh_without_the_axis_names_both(make_tx):
+    mesh = mesh_of((8,), ("data",))
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as info:
+        make_tx("batch").init(PARAMS)
+    assert str(info.value) == (
+        "axis_name 'batch' is not an axis of the current mesh (from jax.set_mesh or shard_map), "
+        "whose axes are ('data',); this transform was built with axis_name=('batch',)"
+    )
+
+
+def _ef(axis):
+    return _ar_grads(axis, wire_dtype=jnp.bfloat16, error_feedback=True)
+
+
+def test_chunk_sparse_warns_when_the_model_is_too_small_to_be_sparse():
+    """10k parameters are one chunk of the default 32768: every step sends the
+    whole gradient. init says so, and the stats show it."""
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1)
+    params = {"w": np.zeros((100, 100), np.float32)}
+    grads = random_grads(np.random.default_rng(0), {"w": (100, 100)}, 8, 3)
+    message = (
+        "chunk_sparse: 10000 gradient elements make 1 chunk(s) of chunk_size=32768, and at "
+        "least one whole chunk travels each step, so density=0.1 is not reachable: each step "
+        "exchanges 1 of the gradient. A chunk_size of at most 1000 gives 1/density chunks or more."
+    )
+    with pytest.warns(UserWarning) as record:
+        _, _, state = run_steps(tx, params, grads, mesh_of((8,), ("data",)))
+    assert [str(w.message) for w in record] == [message]
+    assert state.stats.density[0] == 1.0
+
+
+def test_chunk_sparse_reachable_density_does_not_warn_and_stats_count_elements():
+    """100 elements in chunks of 64: two chunks, 64 and 36 elements. Density
+    0.5 is one chunk, reachable; when the short chunk is the one sent, 36% of
+    the gradient travels, and stats.density says 0.36, not half the chunks."""
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.5, chunk_size=64)
+    g = np.ones((8, 100), np.float32)
+    g[:, 64:] = 10.0  # the short chunk has the larger L1 norm: step 1 sends it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, state = run_steps(
+            tx, {"w": np.zeros(100, np.float32)}, [{"w": g}] * 2, mesh_of((8,), ("data",))
+        )
+    assert state.stats.density[0] == pytest.approx(0.36, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "size,chunk_size,density,fix",
+    [
+        (3, 4, 0.3, "The gradient has fewer than 1/density elements: no chunk_size reaches it."),
+        (100, 64, 0.1, "A chunk_size of at most 10 gives 1/density chunks or more."),
+    ],
+)
+def test_chunk_sparse_warning_suggests_a_chunk_size_only_where_one_exists(
+    size, chunk_size, density, fix
+):
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=density, chunk_size=chunk_size)
+    with jax.set_mesh(mesh_of((8,), ("data",))), pytest.warns(UserWarning) as record:
+        tx.init({"w": np.zeros(size, np.float32)})
+    assert str(record[0].message).endswith(fix)
+
+
+def test_chunk_sparse_on_an_empty_gradient_does_not_warn():
+    tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.5, chunk_size=4)
+    with jax.set_mesh(mesh_of((8,), ("data",))), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx.init({"w": np.zeros(0, np.float32)})

@@ -1,6 +1,8 @@
 """The transforms inside Flax's own training containers: nnx.Optimizer under
-jit + shard_map, and a Linen TrainState under pmap. Each run must equal the
-same container driven by lax.pmean gradients and plain optax."""
+jit + shard_map, and a Linen TrainState under pmap and under shard_map, with
+the state carried by jaxcomm.state_specs. Each run must equal the same
+container driven by lax.pmean gradients and plain optax, or (for inexact
+options) the same transform as plain optax, or under pmap."""
 
 from __future__ import annotations
 
@@ -132,3 +134,173 @@ def test_linen_train_state_with_chunk_sparse_density_one():
     want = _linen_run(inner, "pmean")
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# Every option of both transforms, in both Flax containers under jit +
+# shard_map, with the optimizer state carried through shard_map by the specs
+# jaxcomm.state_specs gives for it (a per-device residual sharded over the
+# devices). Each container run must equal the same transform driven as plain
+# optax on pure pytrees; exact configurations must also equal plain optax on
+# lax.pmean gradients.
+CONFIGS = {
+    "dense": lambda: jaxcomm.allreduce_gradients("data"),
+    "float16": lambda: jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16),
+    "bfloat16-ef": lambda: jaxcomm.allreduce_gradients(
+        "data", wire_dtype=jnp.bfloat16, error_feedback=True
+    ),
+    "double-buffering": lambda: jaxcomm.allreduce_gradients("data", double_buffering=True),
+    "buckets": lambda: jaxcomm.allreduce_gradients("data", bucket_bytes=256, backend="ffi"),
+    "sparse-momentum": lambda: jaxcomm.chunk_sparse(
+        optax.sgd(0.1, momentum=0.9), "data", density=0.5, chunk_size=16
+    ),
+    "sparse-adamw": lambda: jaxcomm.chunk_sparse(
+        optax.adamw(1e-2), "data", density=0.25, chunk_size=16, warmup_steps=2
+    ),
+}
+EXACT = {"dense", "buckets"}
+
+
+def _tx(config: str):
+    head = CONFIGS[config]()
+    if config.startswith("sparse"):
+        return head
+    return optax.chain(head, optax.sgd(0.1, momentum=0.9))
+
+
+def _put(tree, specs, mesh):
+    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def _batches(mesh):
+    batch = NamedSharding(mesh, P("data"))
+    return [
+        (jax.device_put(x, batch), jax.device_put(y, batch)) for x, y in zip(*_data(), strict=True)
+    ]
+
+
+def _nnx_container_run(config: str):
+    mesh = jax.make_mesh((N,), ("data",))
+    model = NnxMLP(nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        optimizer = nnx.Optimizer(model, _tx(config), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            logits = nnx.merge(mdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        optimizer.update(model, jax.grad(loss)(local))
+        return nnx.state((model, optimizer))
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs)
+    )
+    state = _put(state, specs, mesh)
+    for x, y in _batches(mesh):
+        state = jax.block_until_ready(run(state, x, y))
+    model, optimizer = nnx.merge(graphdef, state)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    stats = jaxcomm.get_stats(nnx.state(optimizer))
+    # The optimizer's own opt_state holds nnx variables; get_stats unwraps them too.
+    for a, b in zip(jaxcomm.get_stats(optimizer.opt_state), stats, strict=True):
+        assert isinstance(a, jax.Array) and np.array_equal(a, b)
+    return jax.tree.map(np.asarray, params), stats
+
+
+def _nnx_functional_run(tx, reduce: str):
+    """The same model and data as pure pytrees through plain optax."""
+    mesh = jax.make_mesh((N,), ("data",))
+    mdef, param_state, rest = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param, ...)
+    params = nnx.to_pure_dict(param_state)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+    specs = jaxcomm.state_specs(opt_state, "data")
+
+    def step(params, opt_state, x, y):
+        def loss(p):
+            state = jax.tree.map(lambda v: v, param_state)
+            nnx.replace_by_pure_dict(state, p)
+            logits = nnx.merge(mdef, state, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        grads = jax.grad(loss)(local)
+        if reduce == "pmean":
+            grads = jax.lax.pmean(grads, "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    run = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), specs, P("data"), P("data")),
+            out_specs=(P(), specs),
+        )
+    )
+    opt_state = _put(opt_state, specs, mesh)
+    for x, y in _batches(mesh):
+        params, opt_state = jax.block_until_ready(run(params, opt_state, x, y))
+    return jax.tree.map(np.asarray, params)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_nnx_optimizer_with_every_option_in_shard_map(config):
+    ours, stats = _nnx_container_run(config)
+    want = _nnx_functional_run(_tx(config), "")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    if config in EXACT:
+        exact = _nnx_functional_run(optax.sgd(0.1, momentum=0.9), "pmean")
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(exact), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Read through nnx.state(optimizer): plain arrays, what the last step sent.
+    assert isinstance(stats.collectives, jax.Array)
+    assert int(stats.collectives) >= 1 and float(stats.payload_bytes) > 0
+    if config.startswith("sparse"):
+        assert float(stats.density) < 1
+
+
+def _linen_shard_map_run(tx):
+    mesh = jax.make_mesh((N,), ("data",))
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 12)))["params"]
+    with jax.set_mesh(mesh):
+        state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(state, x, y):
+        def loss(p):
+            logits = state.apply_fn({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), state.params)
+        return state.apply_gradients(grads=jax.grad(loss)(local))
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs)
+    )
+    state = _put(state, specs, mesh)
+    for x, y in _batches(mesh):
+        state = jax.block_until_ready(run(state, x, y))
+    return jax.tree.map(np.asarray, state.params), jaxcomm.get_stats(state)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_linen_train_state_with_every_option_in_shard_map(config):
+    ours, stats = _linen_shard_map_run(_tx(config))
+    # The same transform under pmap, where every state leaf is per device.
+    want = _linen_run(_tx(config), "")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b[0], rtol=1e-5, atol=1e-6)
+    if config in EXACT:
+        exact = _linen_run(optax.sgd(0.1, momentum=0.9), "pmean")
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(exact), strict=True):
+            np.testing.assert_allclose(a, b[0], rtol=1e-5, atol=1e-6)
+    assert int(stats.collectives) >= 1

@@ -72,10 +72,12 @@ class Reduction:
     def with_op(self, op: str) -> Reduction:
         return dataclasses.replace(self, op=op)
 
-    def check_dtypes(self, leaves, argument: str = "gradient leaf") -> None:
-        """Raises TypeError naming the first leaf of a dtype the collectives do not take."""
-        for i, leaf in enumerate(leaves):
-            _checks.check_input_dtype(f"{argument} {i}", jnp.result_type(leaf))
+    def check_dtypes(self, tree, argument: str = "gradient") -> None:
+        """Raises TypeError naming (by its path) the first leaf of `tree` of a
+        dtype the collectives do not take."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            name = f"{argument}{jax.tree_util.keystr(path)}"
+            _checks.check_input_dtype(name, jnp.result_type(leaf))
 
     def is_bound(self) -> bool:
         """Whether all of :attr:`axes` are bound here (inside shard_map / pmap)."""
@@ -181,7 +183,9 @@ class BoundReduction(NamedTuple):
                     "over the devices), so reducing it again would give N times the mean. "
                     "Differentiate with respect to varying params: "
                     f"jax.lax.pcast(params, {axes if len(axes) > 1 else axes[0]!r}, "
-                    'to="varying")'
+                    'to="varying"). A gradient that an optimizer state holds between '
+                    "steps (optax.MultiSteps' accumulator) is per device: carry that "
+                    "state with the specs of jaxcomm.state_specs"
                 )
 
     @property

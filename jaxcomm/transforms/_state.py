@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import Reduction
@@ -62,16 +63,57 @@ def empty_stats() -> CommStats:
 def get_stats(opt_state) -> CommStats:
     """The :class:`CommStats` of the (only) jaxcomm transform in ``opt_state``.
 
-    Works on the state of an ``optax.chain`` or any nesting of it.
+    Works on the state of an ``optax.chain`` or any nesting of it, and on
+    Flax NNX state (``nnx.state(optimizer)``, ``optimizer.opt_state``), whose
+    variables it unwraps: the fields are plain arrays.
     """
     found = [
         s
         for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CommStats))
         if isinstance(s, CommStats)
     ]
+    if not found:
+        found = _stats_by_name(opt_state)
     if len(found) != 1:
         raise ValueError(f"expected one jaxcomm transform's stats in the state, found {len(found)}")
-    return found[0]
+    # A container (nnx.Variable) around each field is a pytree node over its array.
+    return CommStats(*(_unwrap(field) for field in found[0]))
+
+
+def _unwrap(field):
+    leaves = jax.tree.leaves(field)
+    return leaves[0] if len(leaves) == 1 else field
+
+
+def _names(path) -> tuple:
+    """A key path as plain names: nnx.State turns a NamedTuple's fields
+    (GetAttrKey) into dict keys (DictKey), so only the names compare."""
+    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _jaxcomm_prefixes(tree) -> list[tuple]:
+    """Where a jaxcomm state sits in a container that dropped its types
+    (nnx.state(optimizer) holds nested dicts): every path with a ``stats``
+    entry holding exactly the fields of CommStats."""
+    fields: dict[tuple, set] = {}
+    for path, _ in _with_path(tree):
+        names = _names(path)
+        for i, name in enumerate(names[:-1]):
+            if name == "stats" and names[i + 1] in CommStats._fields:
+                fields.setdefault(names[:i], set()).add(names[i + 1])
+    return [p for p, f in fields.items() if f == set(CommStats._fields)]
+
+
+def _stats_by_name(tree) -> list[CommStats]:
+    found = []
+    for prefix in _jaxcomm_prefixes(tree):
+        leaves = {}
+        for path, x in _with_path(tree):
+            names = _names(path)
+            if names[: len(prefix) + 1] == (*prefix, "stats"):
+                leaves[names[len(prefix) + 1]] = x
+        found.append(CommStats(**leaves))
+    return found
 
 
 def devices_on(comm: Reduction) -> tuple[int, bool]:
@@ -86,6 +128,12 @@ def devices_on(comm: Reduction) -> tuple[int, bool]:
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     missing = [a for a in axes if a not in sizes]
+    if missing and sizes:
+        raise ValueError(
+            f"axis_name {missing[0]!r} is not an axis of the current mesh (from jax.set_mesh "
+            f"or shard_map), whose axes are {tuple(sizes)}; this transform was built with "
+            f"axis_name={axes}"
+        )
     if missing:
         raise ValueError(
             f"this transform keeps a per-device residual, so init needs the size of axes "
@@ -93,6 +141,29 @@ def devices_on(comm: Reduction) -> tuple[int, bool]:
             "`with jax.set_mesh(mesh):`"
         )
     return math.prod(sizes[a] for a in axes), False
+
+
+def check_same_tree(updates, reference, what: str, argument: str = "gradient") -> None:
+    """Raises ValueError naming the first path where the gradient tree and
+    `reference` (a tree the state was built with) differ in leaves or shapes."""
+    got = {jax.tree_util.keystr(p): jnp.shape(x) for p, x in _with_path(updates)}
+    want = {jax.tree_util.keystr(p): jnp.shape(x) for p, x in _with_path(reference)}
+    if got == want:
+        return
+    hint = "the gradient's tree must be that of the params the optimizer state was built for"
+    for path, shape in want.items():
+        if path not in got:
+            raise ValueError(f"{argument}{path} is missing: {hint}")
+        if got[path] != shape:
+            raise ValueError(
+                f"{argument}{path} has shape {got[path]} but the {what} holds {shape} there: {hint}"
+            )
+    extra = next(p for p in got if p not in want)
+    raise ValueError(f"{argument}{extra} is not in the {what}: {hint}")
+
+
+def _with_path(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def per_device_zeros(tree, rows: int) -> PerDevice:
@@ -112,7 +183,15 @@ def state_specs(opt_state, axis_name):
     """PartitionSpecs for carrying ``opt_state`` through ``jax.shard_map``.
 
     Shared leaves get ``P()``; leaves inside :class:`PerDevice` get
-    ``P(axis_name)`` (their leading axis has one row per device).
+    ``P(axis_name)`` (their leading axis has one row per device). Takes an
+    optax state, a Flax ``TrainState`` or NNX state (``nnx.state(optimizer)``,
+    ``nnx.split((model, optimizer))[1]``, ``optimizer.opt_state``), and
+    returns specs of the same structure.
+
+    ``optax.MultiSteps`` around a jaxcomm transform accumulates each device's
+    local gradient, so its ``acc_grads`` get ``P(axis_name)`` too. They have
+    no device axis of their own: build that state inside ``jax.shard_map``
+    with these specs as ``out_specs`` (see docs/compose.md).
 
     Examples:
       >>> import jax, optax, jaxcomm
@@ -125,10 +204,32 @@ def state_specs(opt_state, axis_name):
       (P('data',), ())
     """
     spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
+    # Flax NNX state keeps the field names but not the PerDevice type.
+    residuals = [(*p, "residual", "value") for p in _jaxcomm_prefixes(opt_state)]
 
-    def one(node):
+    def one(path, node):
         if isinstance(node, PerDevice):
             return PerDevice(jax.tree.map(lambda _: spec, node.value))
+        if isinstance(node, optax.MultiStepsState):
+            inner = state_specs(node.inner_opt_state, axis_name)
+            local = _holds_jaxcomm_state(node.inner_opt_state)
+            return optax.MultiStepsState(
+                mini_step=P(),
+                gradient_step=P(),
+                inner_opt_state=inner,
+                acc_grads=jax.tree.map(lambda _: spec if local else P(), node.acc_grads),
+                skip_state=jax.tree.map(lambda _: P(), node.skip_state),
+            )
+        names = _names(path)
+        if any(names[: len(r)] == r for r in residuals):
+            return spec
         return P()
 
-    return jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, PerDevice))
+    return jax.tree_util.tree_map_with_path(
+        one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
+    )
+
+
+def _holds_jaxcomm_state(tree) -> bool:
+    stats = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, CommStats))
+    return any(isinstance(s, CommStats) for s in stats) or bool(_jaxcomm_prefixes(tree))

@@ -53,7 +53,12 @@ def allreduce_gradients(
     Put it first in an ``optax.chain``; the optimizer after it sees the
     global gradient, identical on every device. Use inside ``jax.shard_map``
     or ``jax.pmap`` over ``axis_name``, on gradients that are still local to
-    each device.
+    each device. ``optax.clip_by_global_norm`` and ``optax.apply_if_finite``
+    go after it: before it, clipping uses each device's own norm, and
+    ``apply_if_finite`` lets devices disagree on running the collective (JAX
+    refuses that under ``shard_map``; under ``pmap`` it hangs on the first
+    non-finite step). Inside ``optax.MultiSteps`` the collective still runs on
+    every micro-step (docs/compose.md).
 
     Leaves are taken in reverse tree order (the order backward produces
     them) and packed greedily into buckets of at least ``bucket_bytes``
@@ -145,7 +150,11 @@ def allreduce_gradients(
 
     def update(updates, state, params=None):
         del params
-        comm.check_dtypes(jax.tree.leaves(updates))
+        comm.check_dtypes(updates)
+        if error_feedback:
+            _state.check_same_tree(updates, _state.local(state.residual), "error-feedback residual")
+        if double_buffering:
+            _state.check_same_tree(updates, state.buffer, "double buffer")
         bound = comm.bind()
         bound.check_local(updates)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes

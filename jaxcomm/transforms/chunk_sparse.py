@@ -13,6 +13,7 @@ allreduced L1 norm; density ramps from 1 to its final value during warm-up.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -87,10 +88,18 @@ def chunk_sparse(
       inner: the optimizer to run on the exchanged gradient. Parameter-shaped
         leaves of its state are held on unimportant chunks; it sees zeros
         there, so transformations like ``clip_by_global_norm`` see only the
-        exchanged part.
+        exchanged part. Clipping goes here, not before this transform: there
+        it would clip each device's local gradient by its own norm.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       density: final fraction of chunks exchanged, in (0, 1].
-      chunk_size: elements per chunk (GradientFlow uses 32768).
+      chunk_size: elements per chunk (GradientFlow uses 32768). At least one
+        chunk travels each step, so a model of fewer than ``1 / density``
+        chunks cannot reach ``density``: a 10k-parameter model is one
+        32768-element chunk and stays dense. ``init`` warns then, naming the
+        density the chunks allow; the size stays what you chose (a smaller
+        chunk means more norms to exchange and a finer mask, a trade-off this
+        transform does not make for you). ``stats.density`` reports the
+        fraction of gradient elements actually exchanged.
       warmup_steps: steps over which density ramps from 1 to ``density``.
       residual_decay: factor on the unsent gradient kept for the next step
         (momentum correction), in [0, 1].
@@ -154,6 +163,7 @@ def chunk_sparse(
         pool = _pool_dtype(leaves)
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = max(1, -(-size // chunk_size))
+        _warn_if_not_sparse(size, nchunks, chunk_size, density)
         rows = _state.devices_on(exchange)[0]
         return ChunkSparseState(
             inner=inner.init(params),
@@ -165,10 +175,11 @@ def chunk_sparse(
 
     def update(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates)
-        exchange.check_dtypes(leaves)
+        exchange.check_dtypes(updates)
+        size = sum(int(np.size(x)) for x in leaves)
+        _check_pool_size(updates, size, state, params)
         bound = exchange.bind()
         bound.check_local(updates)
-        size = sum(int(np.size(x)) for x in leaves)
         nchunks = state.mask.shape[0]
         if size == 0:  # nothing to exchange: no collective, only the inner step
             upd, inner_state = inner.update(updates, state.inner, params)
@@ -205,7 +216,7 @@ def chunk_sparse(
             payload_bytes=(payload + norm_payload).astype(jnp.float32),
             bytes_sent=bound.bytes_sent(payload) + bound.bytes_sent(norm_payload),
             collectives=jnp.int32(2),
-            density=jnp.mean(state.mask.astype(jnp.float32)),
+            density=_element_density(state.mask, chunk_size, size),
             nonfinite=nonfinite,
         )
         new = ChunkSparseState(
@@ -223,6 +234,48 @@ def chunk_sparse(
         return upd, new
 
     return optax.GradientTransformation(init, update)
+
+
+def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> None:
+    """A gradient of another size than the residual pool: name the leaf that
+    differs from the params where they are given."""
+    pool = jnp.shape(state.residual.value)[-1]
+    if size == pool:
+        return
+    if params is not None:
+        _state.check_same_tree(updates, params, "params")
+    raise ValueError(
+        f"the gradient has {size} elements, the optimizer state was built for params with "
+        f"{pool}: the gradient's tree must be that of those params"
+    )
+
+
+def _warn_if_not_sparse(size: int, nchunks: int, chunk_size: int, density: float) -> None:
+    """Warns (once per call site, Python's default) when whole chunks make the
+    density unreachable: at least twice what was asked for."""
+    reachable = _selected(density, nchunks) / nchunks
+    if size == 0 or reachable < 2 * density:
+        return
+    if size * density >= 1:
+        # ceil(size / c) >= 1 / density chunks, so whole chunks overshoot by under 2x.
+        fix = f"A chunk_size of at most {int(size * density)} gives 1/density chunks or more."
+    else:
+        fix = "The gradient has fewer than 1/density elements: no chunk_size reaches it."
+    warnings.warn(
+        f"chunk_sparse: {size} gradient elements make {nchunks} chunk(s) of "
+        f"chunk_size={chunk_size}, and at least one whole chunk travels each step, so "
+        f"density={density:g} is not reachable: each step exchanges {reachable:.3g} of "
+        f"the gradient. {fix}",
+        stacklevel=3,
+    )
+
+
+def _element_density(mask, chunk_size: int, size: int):
+    """The fraction of gradient elements in the chunks of `mask` (the last
+    chunk may be shorter than the others)."""
+    starts = np.arange(mask.shape[0]) * chunk_size
+    lengths = np.minimum(chunk_size, size - starts).astype(np.float32)
+    return jnp.sum(jnp.where(mask, lengths, 0)) / np.float32(size)
 
 
 def _pool_dtype(leaves):
