@@ -141,11 +141,10 @@ def make_step(graphdef, tx, mesh, axes, state_specs):
     """jit(shard_map(step)): params replicated, batch split over `axes`."""
 
     def step(params, opt_state, x, y):
-        # Replicated params would make JAX sum the gradients itself (the
-        # transpose of the implicit broadcast); varying ones keep them local,
-        # so the jaxcomm transform does the only communication.
-        local = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, local, x, y)
+        # This device's own gradient (jax.grad of replicated params would sum
+        # it over the devices), so the jaxcomm transform does the only
+        # communication.
+        loss, grads = jaxcomm.local_value_and_grad(_loss, axes, argnums=1)(graphdef, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.lax.pmean(loss, axes)

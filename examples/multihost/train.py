@@ -102,10 +102,9 @@ def train(args) -> dict:
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def step(params, opt_state, x, y):
-        # Varying copies keep the gradients local: allreduce_gradients is then
-        # the only communication of the step.
-        local = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
-        loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
+        # This device's own gradient: allreduce_gradients is then the only
+        # communication of the step.
+        loss, grads = jaxcomm.local_value_and_grad(loss_fn, axes)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axes)
 

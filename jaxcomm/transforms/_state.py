@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import Reduction
@@ -166,8 +167,26 @@ def _with_path(tree):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def per_device_zeros(tree, rows: int) -> PerDevice:
-    return PerDevice(jax.tree.map(lambda x: jnp.zeros((rows, *jnp.shape(x)), x.dtype), tree))
+def per_device_zeros(tree, comm: Reduction) -> PerDevice:
+    """Zeros shaped like `tree`'s leaves, with one leading row per device of `comm`.
+
+    Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
+    with its rows split over `comm`'s axes, as :func:`state_specs` says,
+    so that it enters ``shard_map`` as it is.
+    """
+    if not jax.tree.leaves(tree):
+        return PerDevice(tree)
+    rows, bound = devices_on(comm)
+    spec = P(comm.axes[0] if len(comm.axes) == 1 else comm.axes)
+
+    def zeros(x):
+        z = jnp.zeros((rows, *jnp.shape(x)), jnp.result_type(x))
+        if bound or isinstance(z, jax.core.Tracer):  # inside a trace its caller places it
+            return z
+        mesh = jax.sharding.get_mesh()
+        return z if mesh.empty else jax.device_put(z, NamedSharding(mesh, spec))
+
+    return PerDevice(jax.tree.map(zeros, tree))
 
 
 def local(per_device: PerDevice):

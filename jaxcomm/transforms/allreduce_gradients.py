@@ -141,9 +141,8 @@ def allreduce_gradients(
         comm = comm.with_op("mean")
 
     def init(params):
-        rows = _state.devices_on(comm)[0] if error_feedback else 0
         return AllReduceGradientsState(
-            residual=_state.per_device_zeros(params, rows) if error_feedback else (),
+            residual=_state.per_device_zeros(params, comm) if error_feedback else (),
             buffer=jax.tree.map(jnp.zeros_like, params) if double_buffering else (),
             stats=_state.empty_stats(),
         )

@@ -164,10 +164,9 @@ def chunk_sparse(
         size = sum(int(np.size(x)) for x in leaves)
         nchunks = max(1, -(-size // chunk_size))
         _warn_if_not_sparse(size, nchunks, chunk_size, density)
-        rows = _state.devices_on(exchange)[0]
         return ChunkSparseState(
             inner=inner.init(params),
-            residual=_state.PerDevice(jnp.zeros((rows, size), pool)),
+            residual=_state.per_device_zeros(jax.ShapeDtypeStruct((size,), pool), exchange),
             mask=jnp.ones((nchunks,), jnp.bool_),
             count=jnp.int32(0),
             stats=_state.empty_stats(),

@@ -186,8 +186,7 @@ def powersgd(
         mats = matrices(leaves)
         residual = ()
         if error_feedback:
-            rows = _state.devices_on(comm)[0] if mats else 0
-            residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), rows)
+            residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
         q = _draw(seed, 0, mats, _factor_dtype(leaves, mats)) if warm_start else ()
         return PowerSGDState(residual=residual, q=q, count=jnp.int32(0), stats=_state.empty_stats())
 
