@@ -12,7 +12,8 @@ little precision to add in, so an FP8 wire is never handed to lax.psum:
    pass, and float8_e4m3fn, which has no inf, makes inf NaN).
 2. An all-to-all sends row j of the result, with every part's exponent (2
    bytes each), to device j, which decodes the N rows in float32 (float64 for
-   float64 input), adds them and applies 1/N for a mean.
+   float64 input), adds them and applies 1/N for a mean (so that a mean of
+   finite values is finite: _add_rows).
 3. Device j rounds its reduced row to the format the same way (one exponent
    for the row) and an all-gather gives every device every row, which every
    device decodes the same way.
@@ -194,6 +195,21 @@ def _per_element(values, sizes, total: int):
     return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
 
 
+def _add_rows(terms, factor: float):
+    """factor * the sum of the rows of `terms`. For a mean (factor 1/N) of
+    finite values the result is finite: the rows are scaled by 2^-k first,
+    2^k >= N (exact), so their sum cannot overflow, and the rest of 1/N,
+    2^k/N, can only round a mean of values near the type's largest past it,
+    which is clamped back."""
+    if factor == 1.0:
+        return jnp.sum(terms, axis=0)
+    power = float(1 << (terms.shape[0] - 1).bit_length())
+    total = jnp.sum(terms * (1.0 / power), axis=0)
+    top = float(jnp.finfo(terms.dtype).max)
+    scaled = total * (factor * power)
+    return jnp.where(jnp.isfinite(total), jnp.clip(scaled, -top, top), scaled)
+
+
 def allreduce(x, place: AxisPlacement, wire, prescale, postscale, parts=None):
     """The schedule in this module's docstring. `x` is flat; `parts` are the
     static sizes of its parts (one scale each), the whole of `x` if None;
@@ -222,11 +238,7 @@ def allreduce(x, place: AxisPlacement, wire, prescale, postscale, parts=None):
         part = jnp.minimum(jnp.searchsorted(ends, index, side="right"), len(sizes) - 1)
         scale = senders[:, part]
     values = lax.bitcast_convert_type(got[:, :row], wire)
-    terms = decode(values, scale, acc_t)
-    factor = prescale * postscale
-    if factor != 1.0:  # before adding: a mean of values near float32's largest is finite
-        terms = terms * factor
-    reduced = jnp.sum(terms, axis=0)
+    reduced = _add_rows(decode(values, scale, acc_t), prescale * postscale)
     mine_e = exponent(reduced, wire)
     mine = jnp.concatenate([_bytes(encode(reduced, mine_e, wire)), _exponent_bytes(mine_e[None])])
     to = "invarying" if is_vma_typed(mine, place.axes) else "varying"
