@@ -331,3 +331,38 @@ def test_chunk_sparse_exchanges_chunks_within_the_bound(mesh, wire):
         assert np.all(close | zero), t
         exchanged = close & ~zero
         assert exchanged.sum() == (13 if t == 0 else 7), (t, exchanged)
+
+
+@pytest.mark.parametrize("axes", [("a", "b"), "b"])
+def test_over_two_axes_one_of_them_and_under_pmap(axes):
+    """The all-to-all and all-gather follow the ranks of a tuple of axes, and
+    a reduction over one axis of two reduces each group on its own."""
+    x = _data("wide", np.random.default_rng(7), (N, 96))
+    groups = x.reshape(1, N, -1) if axes != "b" else x.reshape(2, 4, -1)
+    out = run_sharded(
+        lambda v: jaxcomm.allreduce(v, axes, op="mean", wire_dtype="float8_e4m3fn"),
+        mesh_of((2, 4), ("a", "b")),
+        x,
+    ).reshape(groups.shape)
+    for group, got in zip(groups, out, strict=True):
+        assert_same_on_all_devices(got)
+        err = np.abs(got[0] - group.astype(np.float64).mean(0))
+        assert np.all(err <= bound("float8_e4m3fn") * np.abs(group).max() * (1 + F32_SLACK))
+
+    f = jax.pmap(lambda v: jaxcomm.allreduce(v, "i", wire_dtype="float8_e5m2"), axis_name="i")
+    got = np.asarray(jax.block_until_ready(f(x)))
+    assert_same_on_all_devices(got)
+    err = np.abs(got[0] - x.astype(np.float64).sum(0))
+    assert np.all(err <= N * bound("float8_e5m2") * np.abs(x).max() * (1 + F32_SLACK))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16])
+def test_16_bit_inputs_add_only_their_own_rounding(mesh, dtype):
+    x = _data("normal", np.random.default_rng(8)).astype(dtype)
+    got = _allreduce(x, mesh, wire="float8_e4m3fn")
+    assert got.dtype == dtype
+    want = x.astype(np.float64).mean(0)
+    own = float(jnp.finfo(dtype).eps) / 2 * np.abs(want)  # rounding the result to dtype
+    a = np.abs(x.astype(np.float64)).max()
+    err = np.abs(got[0].astype(np.float64) - want)
+    assert np.all(err <= bound("float8_e4m3fn") * a * (1 + F32_SLACK) * (1 + 2**-7) + own)
