@@ -79,17 +79,6 @@ def check_options(wire, algorithm: str, backend: str) -> None:
         )
 
 
-def unit_roundoff(wire) -> float:
-    """2^-4 for float8_e4m3fn, 2^-3 for float8_e5m2."""
-    return float(jnp.finfo(wire).eps) / 2
-
-
-def error_bound(wire) -> float:
-    """The bound on |y - mean| per element, as a fraction of the part's max |x|."""
-    u = unit_roundoff(wire)
-    return 2 * u + u * u
-
-
 def scale_bytes(size: int, parts: int = 1) -> int:
     """What the exponents add to the payload of a bucket of `parts` parts,
     counted as payload is (bytes_sent = 2(N-1)/N x payload): each device

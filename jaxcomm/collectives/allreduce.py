@@ -46,14 +46,14 @@ def allreduce(
         in the wire dtype and are added in float32 (float64 for float64
         input) at every hop. For ``op="mean"`` the input is scaled by 1/N
         before the cast, so float16 cannot overflow for large N, and
-        jaxcomm's own schedules clamp each partial sum to the float16 range. Exception: the xla backend's ``lax.psum``
-        paths (``algorithm="auto"`` or ``"hierarchical"``) also add in the
-        wire dtype, so their error grows with N; there a float16 mean is
-        prescaled by 2^-k (2^k the least power of two >= 2N) and 2^k/N is
-        applied after the reduction, which leaves no order of float16
-        additions room to overflow for N <= 1024 (see
-        ``_xla.headroom_scales``); as exact as 1/N apart from one to two
-        bits less subnormal range. A plain sum is not prescaled: if it
+        jaxcomm's own schedules clamp each partial sum to the float16 range.
+        Exception: the xla backend's ``lax.psum`` paths (``algorithm="auto"``
+        or ``"hierarchical"``) also add in the wire dtype, so their error
+        grows with N; there a float16 mean is prescaled by 2^-k (2^k the
+        least power of two >= 2N) and 2^k/N is applied after the reduction,
+        which leaves no order of float16 additions room to overflow for
+        N <= 1024 (see ``_xla.headroom_scales``); as exact as 1/N apart from
+        one to two bits less subnormal range. A plain sum is not prescaled: if it
         exceeds the float16 range it comes back inf.
 
         ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or their names): one
