@@ -184,6 +184,16 @@ def _per_element(values, sizes, total: int):
     return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
 
 
+def _sum_rows(terms):
+    """The rows added in rank order, one elementwise add each, which XLA
+    fuses into one pass: its CPU reduce over the leading axis took 5-8x as
+    long (4 MiB a device, 8 devices)."""
+    total = terms[0]
+    for i in range(1, terms.shape[0]):
+        total = total + terms[i]
+    return total
+
+
 def _add_rows(terms, factor: float):
     """factor * the sum of the rows of `terms`. For a mean (factor 1/N) of
     finite values the result is finite: the rows are scaled by 2^-k first,
@@ -191,9 +201,9 @@ def _add_rows(terms, factor: float):
     2^k/N, can only round a mean of values near the type's largest past it,
     which is clamped back."""
     if factor == 1.0:
-        return jnp.sum(terms, axis=0)
+        return _sum_rows(terms)
     power = float(1 << (terms.shape[0] - 1).bit_length())
-    total = jnp.sum(terms * (1.0 / power), axis=0)
+    total = _sum_rows(terms * (1.0 / power))
     top = float(jnp.finfo(terms.dtype).max)
     scaled = total * (factor * power)
     return jnp.where(jnp.isfinite(total), jnp.clip(scaled, -top, top), scaled)
