@@ -449,3 +449,52 @@ def test_nonfinite_on_one_device_is_reported_everywhere(case, backend, algorithm
     rest = np.delete(np.arange(size), at)
     err = np.abs(got[0, rest] - reference.allreduce64(xs[:, rest], "mean"))
     assert np.all(err <= reference.error_bound(xs[:, rest], "mean", F16, F32))
+
+
+# 8-bit wires (jaxcomm/collectives/_fp8.py): each device's scale maps its own
+# largest |x| to at most the format's largest value, so the cast never
+# overflows; what can is float32 itself, near its largest value: a decoded
+# value that rounded up past it (clamped back), and a mean over N devices
+# that is not a power of two, where fl(1/N) > 1/N (the rows are scaled by
+# 2^-k first, so their sum cannot overflow; the rounding excess is clamped).
+F32_MAX = float(np.finfo(F32).max)
+FP8 = {"float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3}  # unit roundoff
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 7, 8])
+@pytest.mark.parametrize("wire", sorted(FP8))
+def test_fp8_mean_near_float32_max_is_finite_on_devices(n, wire):
+    rng = np.random.default_rng(n)
+    alternating = np.where(np.arange(n)[:, None] % 2 == 0, F32_MAX, -F32_MAX)
+    xs = np.concatenate(
+        [
+            np.full((n, 4), F32_MAX),
+            np.full((n, 4), -F32_MAX),
+            np.full((n, 4), np.nextafter(F32(F32_MAX), F32(0))),
+            np.broadcast_to(alternating, (n, 4)),
+            rng.uniform(F32_MAX / 2, F32_MAX, (n, 8)) * rng.choice([-1.0, 1.0], 8),
+        ],
+        axis=1,
+    ).astype(F32)
+    out = run_sharded(
+        lambda x: jaxcomm.allreduce(x, "i", op="mean", wire_dtype=wire), mesh_of((n,), ("i",)), xs
+    )
+    assert_replicated(out)
+    assert np.all(np.isfinite(out)), out[0]
+    u = FP8[wire]
+    err = np.abs(out[0].astype(np.float64) - reference.allreduce64(xs, "mean"))
+    assert np.all(err <= (2 * u + u * u) * F32_MAX * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("wire", sorted(FP8))
+def test_a_real_float32_overflow_of_an_fp8_sum_is_not_finite(wire):
+    """A sum (not clamped) that exceeds float32 comes back inf, or NaN where
+    the format has no inf to carry it (float8_e4m3fn): never a finite lie."""
+    xs = np.full((4, 6), F32_MAX / 2, F32)
+    out = run_sharded(
+        lambda x: jaxcomm.allreduce(x, "i", op="sum", wire_dtype=wire), mesh_of((4,), ("i",)), xs
+    )
+    if wire == "float8_e5m2":
+        assert np.isposinf(out).all()
+    else:
+        assert np.isnan(out).all()

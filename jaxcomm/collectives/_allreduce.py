@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm.collectives import _checks, _ffi, _xla
+from jaxcomm.collectives import _checks, _ffi, _fp8, _xla
 from jaxcomm.collectives._axes import is_vma_typed
 from jaxcomm.collectives._linear import linear_collective
 
@@ -17,9 +17,21 @@ _XLA_ALGORITHMS = {
 }
 
 
-def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local", in_place=False):
+def allreduce(
+    bound,
+    x,
+    *,
+    chunk_mask=None,
+    max_chunks=None,
+    unselected="local",
+    in_place=False,
+    parts=None,
+):
     """`bound` is a :class:`jaxcomm.collectives.BoundReduction`; `x` has a
-    checked dtype. The rest is as :func:`jaxcomm.allreduce` documents."""
+    checked dtype. `parts`: static sizes of the parts of flat `x` (the leaves
+    of a bucket), which an FP8 wire scales one by one; the whole of `x` when
+    None, and always with a chunk mask. The rest is as
+    :func:`jaxcomm.allreduce` documents."""
     x = jnp.asarray(x)
     flat, dtype, shape = x.reshape(-1), x.dtype, jnp.shape(x)
     place, backend, algorithm = bound.place, bound.backend, bound.algorithm
@@ -46,7 +58,9 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
             y = lax.psum(y, place.axes)
         return y.reshape(shape)
 
-    def xla(v):
+    def xla(v, sizes=None):
+        if algorithm == _fp8.ALGORITHM:
+            return _fp8.allreduce(v, place, wire, prescale, postscale, sizes)
         return _XLA_ALGORITHMS[algorithm](v, place, wire, prescale, postscale)
 
     def ffi(v, **options):
@@ -77,7 +91,7 @@ def allreduce(bound, x, *, chunk_mask=None, max_chunks=None, unselected="local",
         return _xla.psum_allreduce(flat, place, wire, prescale, postscale).reshape(shape)
 
     def forward(v):
-        return xla(v) if backend == "xla" else ffi(v, in_place=in_place)
+        return xla(v, parts) if backend == "xla" else ffi(v, in_place=in_place)
 
     # The ring's ppermutes and the custom calls would otherwise transpose to
     # something other than psum's transpose; make all schedules agree with it.

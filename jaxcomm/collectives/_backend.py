@@ -12,23 +12,24 @@ import warnings
 
 import jax
 
-from jaxcomm.collectives import _checks, _ffi
+from jaxcomm.collectives import _checks, _ffi, _fp8
 
 
-def known_backend(backend: str, *, masked: bool = False) -> str:
+def known_backend(backend: str, *, masked: bool = False, fp8: bool = False) -> str:
     """The backend as far as it is decided without the platform: 'auto' is
-    'xla' for plain collectives and stays 'auto' with a chunk mask. An 'ffi'
-    here has not been checked for its handler yet."""
+    'xla' for plain collectives and for an FP8 wire (only the xla backend
+    has its schedule), and stays 'auto' with a chunk mask. An 'ffi' here has
+    not been checked for its handler yet."""
     _checks.check_choice("backend", backend, _checks.BACKENDS)
-    return "xla" if backend == "auto" and not masked else backend
+    return "xla" if backend == "auto" and (fp8 or not masked) else backend
 
 
-def resolve_backend(backend: str, *, masked: bool = False) -> str:
+def resolve_backend(backend: str, *, masked: bool = False, fp8: bool = False) -> str:
     """'auto' is 'xla' for plain collectives: on CPU lax.psum is as fast as the
     ffi direct schedule from 16 MiB up and faster below (bench/allreduce.py).
     With a chunk mask it is 'ffi' where available, the only backend that
     sends just the selected chunks without a static bound."""
-    backend = known_backend(backend, masked=masked)
+    backend = known_backend(backend, masked=masked, fp8=fp8)
     if backend == "auto":
         # The CPU transport meets devices inside one process only. On GPU the
         # CUDA handlers have run on one GPU only (tools/gpu_check.sh), never
@@ -69,9 +70,14 @@ def check_algorithm(algorithm: str, backend: str, axes: tuple) -> None:
         )
 
 
-def resolve_algorithm(algorithm: str, backend: str, axes: tuple, *, narrow: bool = False) -> str:
-    """`backend` is resolved ('xla' or 'ffi'); `narrow`: a 16-bit wire."""
+def resolve_algorithm(
+    algorithm: str, backend: str, axes: tuple, *, narrow: bool = False, fp8: bool = False
+) -> str:
+    """`backend` is resolved ('xla' or 'ffi'); `narrow`: a 16-bit wire;
+    `fp8`: an 8-bit one, whose only schedule is _fp8's."""
     check_algorithm(algorithm, backend, axes)
+    if fp8:
+        return _fp8.ALGORITHM
     if algorithm == "auto":
         if backend == "ffi":
             # On one host the direct schedule beats the ring (bench/allreduce.py).

@@ -11,7 +11,14 @@ OPS = ("sum", "mean")
 ALGORITHMS = ("auto", "ring", "hierarchical", "direct")
 BACKENDS = ("auto", "xla", "ffi")
 INPUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
-WIRE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+WIRE_DTYPES = (
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float64,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+)
 
 
 def _names(dtypes) -> str:

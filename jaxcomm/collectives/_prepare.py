@@ -30,5 +30,10 @@ def prepare(x, axis_name, *, op: str, wire_dtype, backend: str) -> Prepared:
     x = jnp.asarray(x)
     dtype = _checks.check_input_dtype("x", x.dtype)
     bound = reduction(axis_name, op=op, wire_dtype=wire_dtype, backend=backend).bind()
+    if bound.reduction.fp8:
+        raise TypeError(
+            f"wire_dtype={bound.reduction.wire_dtype.name}: reduce_scatter and all_gather take "
+            "float16 and bfloat16 wires; FP8 wires are for allreduce"
+        )
     wire, prescale, postscale = bound.scales(dtype)
     return Prepared(x.reshape(-1), dtype, wire, bound.backend, bound.place, prescale, postscale)

@@ -10,8 +10,9 @@ import numpy as np
 
 
 def is_narrow(wire) -> bool:
-    """A 16-bit wire: it rounds float32 values, and float16 overflows where
-    float32 does not. `wire` is a checked dtype or None (the input's)."""
+    """A 16- or 8-bit wire: it rounds float32 values, and float16 overflows
+    where float32 does not (8-bit wires are scaled by _fp8). `wire` is a
+    checked dtype or None (the input's)."""
     return wire is not None and np.dtype(wire).itemsize < 4
 
 

@@ -39,21 +39,40 @@ def allreduce(
         ``"direct"`` (ffi on CPU: each rank reads its peers' memory), or
         ``"auto"`` (ffi: ``"direct"``; xla: ``lax.psum``, except with a
         16-bit wire across processes on CPU, where it is ``"ring"``: gloo adds
-        float16 slowly and XLA widens a bfloat16 psum to float32).
-      wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16`` or
-        ``jnp.bfloat16``. Values travel in the wire dtype and are added in
-        float32 (float64 for float64 input) at every hop. For ``op="mean"``
-        the input is scaled by 1/N before the cast, so float16 cannot
-        overflow for large N, and jaxcomm's own schedules clamp each partial
-        sum to the float16 range. Exception: the xla backend's ``lax.psum``
-        paths (``algorithm="auto"`` or ``"hierarchical"``) also add in the
-        wire dtype, so their error grows with N; there a float16 mean is
-        prescaled by 2^-k (2^k the least power of two >= 2N) and 2^k/N is
-        applied after the reduction, which leaves no order of float16
-        additions room to overflow for N <= 1024 (see
-        ``_xla.headroom_scales``); as exact as 1/N apart from one to two
-        bits less subnormal range. A plain sum is not prescaled: if it
+        float16 slowly and XLA widens a bfloat16 psum to float32; with an
+        8-bit wire, the all-to-all schedule described under ``wire_dtype``).
+      wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16``,
+        ``jnp.bfloat16``, or an 8-bit float (below). 16-bit values travel
+        in the wire dtype and are added in float32 (float64 for float64
+        input) at every hop. For ``op="mean"`` the input is scaled by 1/N
+        before the cast, so float16 cannot overflow for large N, and
+        jaxcomm's own schedules clamp each partial sum to the float16 range.
+        Exception: the xla backend's ``lax.psum`` paths (``algorithm="auto"``
+        or ``"hierarchical"``) also add in the wire dtype, so their error
+        grows with N; there a float16 mean is prescaled by 2^-k (2^k the
+        least power of two >= 2N) and 2^k/N is applied after the reduction,
+        which leaves no order of float16 additions room to overflow for
+        N <= 1024 (see ``_xla.headroom_scales``); as exact as 1/N apart from
+        one to two bits less subnormal range. A plain sum is not prescaled: if it
         exceeds the float16 range it comes back inf.
+
+        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or their names): one
+        byte an element. Each device scales its input by its own power of
+        two 2^e, the largest with max|x| * 2^e <= M (448 or 57344), rounds
+        to 8 bits (clamped; the scale is the exponent, 2 bytes, sent along);
+        an all-to-all gives each device its 1/N of every device's bytes,
+        which it decodes and adds in float32, and an all-gather of the
+        reduced rows (rescaled the same way) gives the result. Nothing is
+        added in 8 bits and no collective is spent on the scales. Per
+        element, ``|result - exact mean| <= (2u + u^2) * A`` for any N, A
+        the largest finite |x| over all devices, u = 2^-4 (e4m3) or 2^-3
+        (e5m2): 0.129 A or 0.266 A; N times that for a sum (float32's own
+        rounding aside; A >= 2^-100). Elements far below A keep what 8 bits
+        give them at A's scale. The xla backend and ``algorithm="auto"``
+        only (the schedule is resolved as ``"alltoall"``; with a
+        ``chunk_mask``, ``backend="auto"`` takes xla); ffi and the other
+        algorithms raise ValueError. inf and NaN inputs come back non-finite
+        (float8_e4m3fn has no inf: NaN).
       backend: ``"xla"`` (JAX collectives; any platform, many processes),
         ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except with a
         ``chunk_mask`` where ffi (one process on CPU, handler present) sends

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _validate
-from jaxcomm.collectives import _allreduce, _backend, _checks, _scales, _xla
+from jaxcomm.collectives import _allreduce, _backend, _checks, _fp8, _scales, _xla
 from jaxcomm.collectives._axes import (
     AxisPlacement,
     bound_axes,
@@ -66,8 +66,13 @@ class Reduction:
 
     @property
     def narrow(self) -> bool:
-        """A 16-bit wire: it rounds float32 values (what error feedback keeps)."""
+        """A 16- or 8-bit wire: it rounds float32 values (what error feedback keeps)."""
         return _scales.is_narrow(self.wire_dtype)
+
+    @property
+    def fp8(self) -> bool:
+        """An 8-bit float wire, scaled per device and part (see _fp8.py)."""
+        return _fp8.is_fp8(self.wire_dtype)
 
     def with_op(self, op: str) -> Reduction:
         return dataclasses.replace(self, op=op)
@@ -91,10 +96,10 @@ class Reduction:
           NameError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
-        backend = _backend.resolve_backend(self.backend, masked=self.masked)
+        backend = _backend.resolve_backend(self.backend, masked=self.masked, fp8=self.fp8)
         place = placement(self.axes)
         algorithm = _backend.resolve_algorithm(
-            self.algorithm, backend, self.axes, narrow=self.narrow
+            self.algorithm, backend, self.axes, narrow=self.narrow, fp8=self.fp8
         )
         return BoundReduction(self, place, backend, algorithm)
 
@@ -131,10 +136,11 @@ def reduction(
       ValueError: op='max' is not supported; use one of ('sum', 'mean')
     """
     axes = normalize(axis_name)
-    known = _backend.known_backend(backend, masked=masked)
     wire = _checks.check_wire_dtype(wire_dtype)
+    known = _backend.known_backend(backend, masked=masked, fp8=_fp8.is_fp8(wire))
     _checks.check_choice("op", op, _checks.OPS)
     _backend.check_algorithm(algorithm, known, axes)
+    _fp8.check_options(wire, algorithm, known)
     if masked:
         chunk_size = _validate.check_positive_integer("chunk_size", chunk_size)
     return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size)
@@ -148,7 +154,8 @@ class BoundReduction(NamedTuple):
       place: this device's place on the reduced axes.
       backend: ``"xla"`` or ``"ffi"``.
       algorithm: the schedule: ``"psum"`` (XLA's own), ``"ring"``,
-        ``"hierarchical"`` or ``"direct"``.
+        ``"hierarchical"``, ``"direct"``, or ``"alltoall"`` (an FP8 wire's:
+        all-to-all, float32 adds, all-gather; see _fp8.py).
     """
 
     reduction: Reduction
@@ -201,9 +208,15 @@ class BoundReduction(NamedTuple):
         cast = wire != np.dtype(dtype)
         return (wire, *_scales.scales(self.reduction.op, self.size, cast))
 
-    def payload_bytes(self, elements, dtype):
-        """Bytes this device puts into a collective of `elements` of `dtype`."""
-        return elements * self.scales(dtype)[0].itemsize
+    def payload_bytes(self, elements, dtype, parts: int = 1):
+        """Bytes this device puts into a collective of `elements` of `dtype`
+        in `parts` parts (leaves of a bucket). An FP8 wire adds its scales:
+        N(parts + 1) bytes, counted so that :meth:`bytes_sent` is exact
+        (_fp8.scale_bytes)."""
+        payload = elements * self.scales(dtype)[0].itemsize
+        if self.reduction.fp8:
+            payload += _fp8.scale_bytes(self.size, parts)
+        return payload
 
     def bytes_sent(self, payload) -> jax.Array:
         """Per-device bytes on the wire for an allreduce of `payload` bytes
@@ -227,7 +240,9 @@ class BoundReduction(NamedTuple):
         dtype); returns the reduced flat bucket. The concatenation is a fresh
         buffer, so the result may take it over where the schedule allows."""
         flat = jnp.concatenate([jnp.ravel(p) for p in parts])
-        return _allreduce.allreduce(self, flat, in_place=True)
+        # An FP8 wire scales each part by itself, as cast_error does for a leaf.
+        sizes = tuple(int(np.size(p)) for p in parts)
+        return _allreduce.allreduce(self, flat, in_place=True, parts=sizes)
 
     def exchange(self, x, mask, *, max_chunks: int):
         """Reduces the chunks of flat `x` selected by `mask`, zeros elsewhere
@@ -244,9 +259,10 @@ class BoundReduction(NamedTuple):
             lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
             payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
             return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload
+        scales = self.payload_bytes(0, x.dtype)  # an FP8 wire's exponents
         if max_chunks == nchunks:
-            full = self.allreduce(x, chunk_mask=mask, unselected="zero")
-            return full, jnp.float32(nchunks * chunk_size * itemsize)
+            payload = nchunks * chunk_size * itemsize + scales
+            return self.allreduce(x, chunk_mask=mask, unselected="zero"), jnp.float32(payload)
         many = jnp.sum(mask) > max_chunks
         reduced = jax.lax.cond(
             many,
@@ -255,8 +271,8 @@ class BoundReduction(NamedTuple):
             x,
         )
         # Bytes in float32: an int32 count overflows at 2 GiB of payload.
-        payload = jnp.where(many, nchunks, max_chunks).astype(jnp.float32) * (chunk_size * itemsize)
-        return reduced, payload
+        chunks = jnp.where(many, nchunks, max_chunks).astype(jnp.float32)
+        return reduced, chunks * (chunk_size * itemsize) + scales
 
     def sum_from_mean(self, y):
         """A mean reduced by this reduction, times N back to the sum: in the
@@ -268,7 +284,11 @@ class BoundReduction(NamedTuple):
         """What the wire cast drops from v (a narrow wire's error feedback):
         v - decast(cast(v * prescale)) / prescale, with the prescale this
         reduction applies (1/N, or 2^-k with 2^k >= 2N where XLA adds in
-        float16), computed exactly as the collectives cast."""
+        float16), computed exactly as the collectives cast. An FP8 wire's
+        scale is this device's own for v (v is one part of a bucket):
+        _fp8.cast_error."""
+        if self.reduction.fp8:
+            return _fp8.cast_error(v, self.reduction.wire_dtype)
         scale = self._wire_scale()
         acc = _xla.accumulator(v.dtype)
         sent = _xla.to_wire(v, self.reduction.wire_dtype, 1.0 / scale).astype(acc) * scale
