@@ -13,6 +13,7 @@ payload travels as bytes, in the compiled HLO.
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -264,11 +265,12 @@ def test_error_feedback_keeps_the_scaled_cast_and_the_sum_tracks_the_mean(mesh, 
             assert drift.mean() < no_ef.mean() / 3, (drift.mean(), no_ef.mean())
 
 
-def test_stats_count_one_byte_an_element_and_the_exponents(mesh):
+@pytest.mark.parametrize("bucket_bytes,buckets,parts", [(0, 2, 1), (math.inf, 1, 2)])
+def test_stats_count_one_byte_an_element_and_the_exponents(mesh, bucket_bytes, buckets, parts):
     """payload_bytes: 1 byte per element plus N(parts + 1) bytes of exponents
     per bucket; bytes_sent = 2(N-1)/N of it is what the compiled all-to-all
     and all-gather move: (N-1) x (row + 2) bytes each."""
-    tx = jaxcomm.allreduce_gradients("data", wire_dtype="float8_e4m3fn")
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype="float8_e4m3fn", bucket_bytes=bucket_bytes)
     params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
     state = tx.init(params)
 
@@ -291,7 +293,7 @@ def test_stats_count_one_byte_an_element_and_the_exponents(mesh):
     _, state = jax.block_until_ready(f(params, state, grads))
     stats = jaxcomm.get_stats(state)
     elements = sum(a.size for a in jax.tree.leaves(params))
-    assert float(stats.payload_bytes) == elements + 2 * N * 2  # two buckets of one part
+    assert float(stats.payload_bytes) == elements + buckets * N * (parts + 1)
     assert float(stats.bytes_sent) == pytest.approx(sent, rel=1e-6)
 
 

@@ -188,9 +188,10 @@ class BoundReduction(NamedTuple):
                     f"{name} is typed as the same on every device of {axes}: it has already "
                     "been reduced (jax.grad of params that entered shard_map replicated sums "
                     "over the devices), so reducing it again would give N times the mean. "
-                    "Differentiate with respect to varying params: "
-                    f"jax.lax.pcast(params, {axes if len(axes) > 1 else axes[0]!r}, "
-                    'to="varying"). A gradient that an optimizer state holds between '
+                    "Take this device's own gradient with "
+                    f"jaxcomm.local_grad(loss_fn, {axes if len(axes) > 1 else axes[0]!r}) "
+                    "in place of jax.grad (it differentiates at params typed as varying). "
+                    "A gradient that an optimizer state holds between "
                     "steps (optax.MultiSteps' accumulator) is per device: carry that "
                     "state with the specs of jaxcomm.state_specs"
                 )

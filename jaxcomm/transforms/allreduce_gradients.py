@@ -74,6 +74,9 @@ def allreduce_gradients(
         back after), so float16 cannot overflow for large N; where XLA adds
         in float16 (xla ``"auto"`` and ``"hierarchical"``) the prescale is a
         power of two near 1/(2N) instead, as in :func:`jaxcomm.allreduce`.
+        ``jnp.float8_e4m3fn`` and ``jnp.float8_e5m2`` (xla backend) scale
+        each leaf by a power of two into the format's range and add in
+        float32 (:func:`jaxcomm.allreduce` states their error bound).
       error_feedback: keep what the wire cast dropped in a per-device
         residual and add it to the next step's gradient. Needs a narrow wire.
       bucket_bytes: fusion threshold θ. 0: one collective per leaf;
@@ -132,7 +135,8 @@ def allreduce_gradients(
         wire = comm.wire_dtype
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "
-            f"it needs wire_dtype=float16 or bfloat16, got {None if wire is None else wire.name}"
+            "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn or float8_e5m2), "
+            f"got {None if wire is None else wire.name}"
         )
     # A narrow wire always divides by N before the cast, so float16 cannot
     # overflow; a sum is scaled back by N after.
@@ -208,7 +212,7 @@ def _reduce_in_buckets(leaves, bound, theta, scale_back: bool):
         red = bound.allreduce_bucket([leaves[i] for i in bucket])
         if scale_back:
             red = bound.sum_from_mean(red)
-        payload += bound.payload_bytes(red.size, dtypes[bucket[0]])
+        payload += bound.payload_bytes(red.size, dtypes[bucket[0]], parts=len(bucket))
         offset = 0
         for i in bucket:
             out[i] = red[offset : offset + sizes[i]].reshape(jnp.shape(leaves[i]))

@@ -103,7 +103,8 @@ def chunk_sparse(
       warmup_steps: steps over which density ramps from 1 to ``density``.
       residual_decay: factor on the unsent gradient kept for the next step
         (momentum correction), in [0, 1].
-      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
+      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16`` or an 8-bit
+        float (``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``; xla only) for the
         exchanged chunks (prescaled by 1/N, or as :func:`jaxcomm.allreduce`
         says for float16 on xla's ``lax.psum`` paths).
       algorithm: as in :func:`jaxcomm.allreduce`.
