@@ -2,7 +2,8 @@
 
 - Transforms for the head of an optax chain: ``allreduce_gradients`` (fusion,
   wire casting, error feedback, double buffering, hierarchical) and
-  ``chunk_sparse`` (GradientFlow's coarse-grained sparse exchange).
+  ``chunk_sparse`` (GradientFlow's coarse-grained sparse exchange); and
+  ``diloco`` (local steps with an outer optimizer, DiLoCo and Streaming DiLoCo).
 - Collectives (``allreduce``, ``reduce_scatter``, ``all_gather``) with ring,
   hierarchical and shared-memory schedules, narrow wire dtypes and chunk
   masks, as JAX collectives (``backend="xla"``) or XLA FFI custom calls
@@ -29,10 +30,13 @@ from jaxcomm.transforms import (
     AllReduceGradientsState,
     ChunkSparseState,
     CommStats,
+    DiLoCoState,
     PerDevice,
     allreduce_gradients,
     chunk_sparse,
+    diloco,
     get_stats,
+    local_params,
     plan_buckets,
     state_specs,
 )
@@ -49,10 +53,13 @@ __all__ = [
     "plan",
     "ChunkSparseState",
     "CommStats",
+    "DiLoCoState",
     "PerDevice",
     "allreduce_gradients",
     "chunk_sparse",
+    "diloco",
     "get_stats",
+    "local_params",
     "plan_buckets",
     "state_specs",
     "all_gather",
