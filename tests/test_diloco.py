@@ -272,6 +272,67 @@ def test_narrow_wire_halves_the_payload_and_keeps_replicas_equal():
             np.testing.assert_allclose(p16[k], p32[k], rtol=3e-2, atol=3e-3)
 
 
+def _run_simple(tx, mesh, axes, params, grads):
+    """Steps with given per-device gradients (rows), taken as if at the local params."""
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, axes)
+
+    def step(params, state, g):
+        updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state, params)
+        return optax.apply_updates(params, updates), state
+
+    rows = P(axes)
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, rows), out_specs=(P(), specs))
+    )
+    state = _put(state, mesh, specs)
+    out = []
+    for g in grads:
+        g = jax.device_put(g, NamedSharding(mesh, rows))
+        params, state = jax.block_until_ready(run(params, state, g))
+        out.append(jax.tree.map(np.asarray, (params, state)))
+    return out
+
+
+def test_one_collective_per_dtype_on_hierarchical_axes():
+    mesh = mesh_of((2, 4), ("node", "local"))
+    axes = ("node", "local")
+    params = {"a": jnp.ones(4, jnp.float32), "b": jnp.ones(3, jnp.bfloat16)}
+    rng = np.random.default_rng(3)
+    grads = [
+        {
+            "a": rng.standard_normal((N, 4)).astype(np.float32),
+            "b": rng.standard_normal((N, 3)).astype(jnp.bfloat16),
+        }
+        for _ in range(4)
+    ]
+    tx = jaxcomm.diloco(
+        optax.sgd(INNER_LR), optax.sgd(1.0), axes, sync_every=2, algorithm="hierarchical"
+    )
+    out = _run_simple(tx, mesh, axes, params, grads)
+    for s, (p, state) in enumerate(out):
+        stats = jaxcomm.get_stats(state)
+        assert int(stats.collectives) == (2 if s % 2 else 0)
+        assert float(stats.payload_bytes) == (4 * 4 + 3 * 2 if s % 2 else 0)
+        if s % 2:  # outer sgd(1.0) on the mean pseudo-gradient: the mean of the local params
+            for k in p:
+                rows = state.local.value[k]
+                assert all(r.tobytes() == p[k].tobytes() for r in rows), (k, s)
+            mean = np.mean([g["a"].astype(np.float64) for g in grads[s - 1 : s + 1]], axis=(0, 1))
+            want = out[s - 2][0]["a"] if s > 1 else np.ones(4)
+            np.testing.assert_allclose(p["a"], want - 2 * INNER_LR * mean, rtol=1e-5)
+
+
+def test_a_nonfinite_pseudo_gradient_is_flagged_on_every_device():
+    mesh = _mesh()
+    grads = [{"w": np.ones((N, 3), np.float32)} for _ in range(4)]
+    grads[2]["w"][5, 1] = np.nan  # one device, between syncs
+    tx = _diloco(optax.sgd(INNER_LR), sync_every=2)
+    out = _run_simple(tx, mesh, "data", {"w": jnp.zeros(3)}, grads)
+    assert [bool(jaxcomm.get_stats(st).nonfinite) for _, st in out] == [False] * 3 + [True]
+
+
 # -- where the collectives are ----------------------------------------------
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
