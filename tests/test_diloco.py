@@ -12,6 +12,7 @@ bad options named at construction, and an Orbax checkpoint resumed mid-cycle.
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -190,21 +191,37 @@ def _diloco(inner, **options):
 
 # -- against the reference --------------------------------------------------
 
+# name -> (inner, its reference, sync_every, fragments, options, collectives per
+# sync: "leaf" one per leaf synced, else that number).
 CASES = {
-    "adam_xla": (optax.adam(INNER_LR), NpAdam(), 4, 1, "xla"),
-    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(), 4, 1, "ffi"),
-    "streaming_adam_xla": (optax.adam(INNER_LR), NpAdam(), 6, 3, "xla"),
-    "streaming_sgd_ffi": (optax.sgd(INNER_LR), NpSgd(), 6, 3, "ffi"),
+    "adam_xla": (optax.adam(INNER_LR), NpAdam(), 4, 1, {"backend": "xla"}, "leaf"),
+    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(), 4, 1, {"backend": "ffi"}, 1),  # one 4 MiB bucket
+    "streaming_adam_xla_fused": (
+        optax.adam(INNER_LR),
+        NpAdam(),
+        6,
+        3,
+        {"backend": "xla", "bucket_bytes": math.inf},
+        1,
+    ),
+    "streaming_sgd_ffi_unfused": (
+        optax.sgd(INNER_LR),
+        NpSgd(),
+        6,
+        3,
+        {"backend": "ffi", "bucket_bytes": 0},
+        "leaf",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_the_float64_reference_step_by_step(case):
-    inner, np_inner, sync_every, fragments, backend = CASES[case]
+    inner, np_inner, sync_every, fragments, options, per_sync = CASES[case]
     mesh = _mesh()
     params = _initial_params()
     x, y = _data(STEPS)
-    tx = _diloco(inner, sync_every=sync_every, fragments=fragments, backend=backend)
+    tx = _diloco(inner, sync_every=sync_every, fragments=fragments, **options)
     run, p, state = _start(tx, mesh, params)
     got, _, _ = _steps(run, p, state, x, y, mesh)
     want = reference(np_inner, params, x, y, sync_every=sync_every, fragments=fragments)
@@ -226,7 +243,8 @@ def test_matches_the_float64_reference_step_by_step(case):
                     assert gp[k].tobytes() == got[s - 1][0][k].tobytes(), (k, s)
         stats = jaxcomm.get_stats(gs)
         elements = sum(int(np.prod(SHAPES[k])) for k in synced)
-        assert int(stats.collectives) == (1 if synced else 0), s
+        collectives = len(synced) if per_sync == "leaf" else per_sync * bool(synced)
+        assert int(stats.collectives) == collectives, s
         assert float(stats.payload_bytes) == 4 * elements, s
         np.testing.assert_allclose(float(stats.bytes_sent), 4 * elements * 2 * (N - 1) / N)
         np.testing.assert_allclose(float(stats.density), elements / total, rtol=1e-6)
@@ -392,10 +410,19 @@ def _conditionals(comps):
     return out
 
 
-@pytest.mark.parametrize(("fragments", "backend"), [(1, "xla"), (3, "xla"), (3, "ffi")])
-def test_collectives_only_inside_the_sync_branch(fragments, backend):
+@pytest.mark.parametrize(
+    ("fragments", "backend", "bucket_bytes"),
+    [(1, "xla", None), (3, "xla", math.inf), (3, "ffi", None)],
+)
+def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_bytes):
     mesh = _mesh()
-    tx = _diloco(optax.adam(INNER_LR), sync_every=6, fragments=fragments, backend=backend)
+    tx = _diloco(
+        optax.adam(INNER_LR),
+        sync_every=6,
+        fragments=fragments,
+        backend=backend,
+        bucket_bytes=bucket_bytes,
+    )
     run, p, state = _start(tx, mesh, _initial_params())
     x, y = _data(1)
     rows = NamedSharding(mesh, P("data"))
@@ -403,8 +430,12 @@ def test_collectives_only_inside_the_sync_branch(fragments, backend):
     for text in (hlo.as_text(dialect="hlo"), hlo.compile().as_text()):
         comps, entry = _computations(text)
         assert _collectives_outside_branches(comps, entry) == 0
-        # One conditional per fragment: one collective in its sync branch, none in the other.
-        assert [c for c in _conditionals(comps) if any(c)] == [[0, 1]] * fragments
+        # One conditional per fragment: collectives in its sync branch, none in the other;
+        # one per leaf unfused (XLA may combine them when it compiles), else one.
+        syncs = [c for c in _conditionals(comps) if any(c)]
+        assert len(syncs) == fragments and all(c[0] == 0 for c in syncs), syncs
+        if bucket_bytes is not None or backend == "ffi":
+            assert syncs == [[0, 1]] * fragments
 
 
 # -- the surroundings --------------------------------------------------------
@@ -466,6 +497,7 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
         ({"wire_dtype": jnp.int8}, TypeError, "wire_dtype="),
         ({"algorithm": "tree"}, ValueError, "algorithm="),
         ({"backend": "nccl"}, ValueError, "backend="),
+        ({"bucket_bytes": -1}, ValueError, "bucket_bytes=-1"),
     ],
 )
 def test_bad_options_are_named_at_construction(options, error, named):

@@ -17,7 +17,6 @@ on each device.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -58,6 +57,7 @@ def diloco(
     sync_every: int,
     fragments: int = 1,
     wire_dtype=None,
+    bucket_bytes: float | None = None,
     algorithm: str = "auto",
     backend: str = "auto",
 ) -> optax.GradientTransformation:
@@ -71,8 +71,9 @@ def diloco(
 
     1. ``local <- local + inner.update(grads)``, on this device only.
     2. For each fragment ``f`` due at ``s`` (see below): ``delta`` = mean over
-       devices of ``params - local`` on the fragment's leaves (one collective
-       per dtype, on the wire ``wire_dtype``); ``u = outer.update(delta)``;
+       devices of ``params - local`` on the fragment's leaves (fused into
+       buckets as in :func:`jaxcomm.allreduce_gradients`, on the wire
+       ``wire_dtype``); ``u = outer.update(delta)``;
        the returned update is ``u`` on these leaves, and every device's local
        params take ``optax.apply_updates(params, u)``, bitwise what the caller
        gets. Fragments not due return a zero update.
@@ -103,6 +104,10 @@ def diloco(
         number of leaves (checked at ``init``).
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
         pseudo-gradient (prescaled as in :func:`jaxcomm.allreduce`).
+      bucket_bytes: fusion threshold within a fragment, as in
+        :func:`jaxcomm.allreduce_gradients`: ``None`` (default) is one
+        collective per leaf on xla (XLA's combiner fuses them) and 4 MiB
+        buckets on ffi; ``math.inf`` one collective per dtype.
       algorithm: as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
 
@@ -157,6 +162,8 @@ def diloco(
     comm = reduction(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
+    if bucket_bytes is not None:
+        bucket_bytes = _validate.check_bucket_bytes(bucket_bytes)
     offsets = sync_offsets(sync_every, fragments)
 
     def init(params):
@@ -187,23 +194,27 @@ def diloco(
 
         sizes = [int(np.size(x)) for x in anchor]
         spans = plan_fragments(sizes, fragments)
+        theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
         phase = (state.count + 1) % sync_every
-        out = [jnp.zeros_like(x) for x in anchor]
-        outer_states, sent, elements, collectives = [], [], [], []
+        out, outer_states, sent, elements, collectives = [], [], [], [], []
         nonfinite = jnp.bool_(False)
         for (a, b), offset, outer_state in zip(spans, offsets, state.outer, strict=True):
             due = phase == offset
             u, outer_state, bad = jax.lax.cond(
                 due,
-                lambda ops: _sync(ops, bound, outer),
-                lambda ops: ([jnp.zeros_like(x) for x in ops[0]], ops[2], jnp.bool_(False)),
+                lambda ops: _sync(ops, bound, outer, theta),
+                _skip,
                 (anchor[a:b], local[a:b], outer_state),
             )
+            out += u
+            # The very expression the caller's optax.apply_updates builds, so
+            # XLA computes it once and the adopted params are the caller's,
+            # bitwise. Computed inside the cond instead, XLA fused it with the
+            # outer step and it came out 1 ulp away from the caller's.
             adopted = optax.apply_updates(anchor[a:b], u)
             local[a:b] = [jnp.where(due, g, x) for g, x in zip(adopted, local[a:b], strict=True)]
-            out[a:b] = u
             outer_states.append(outer_state)
-            payload, count = _payload(anchor[a:b], bound)
+            payload, count = _payload(anchor[a:b], bound, theta)
             sent.append(jnp.where(due, payload, 0.0))
             collectives.append(jnp.where(due, count, 0))
             elements.append(jnp.where(due, sum(sizes[a:b]), 0))
@@ -213,7 +224,7 @@ def diloco(
         stats = _state.CommStats(
             payload_bytes=jnp.asarray(payload, jnp.float32),
             bytes_sent=bound.bytes_sent(payload),
-            collectives=jnp.int32(sum(collectives)),
+            collectives=jnp.asarray(sum(collectives), jnp.int32),
             density=(sum(elements) / max(sum(sizes), 1)).astype(jnp.float32),
             nonfinite=nonfinite,
         )
@@ -293,20 +304,26 @@ def sync_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
     return tuple(((f + 1) * sync_every // fragments) % sync_every for f in range(fragments))
 
 
-def _sync(operands, bound, outer):
+def _sync(operands, bound, outer, theta):
     """The outer step of one fragment: average params - local, step from params."""
     anchor, local, outer_state = operands
     delta = [g - x for g, x in zip(anchor, local, strict=True)]
-    mean = _average(delta, bound)
+    mean = _average(delta, bound, theta)
     u, outer_state = outer.update(mean, outer_state, anchor)
     flags = [~jnp.all(jnp.isfinite(x)) for x in mean if np.size(x)]
     return list(u), outer_state, jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
 
 
-def _average(leaves, bound):
-    """One collective per dtype over the fragment's leaves."""
+def _skip(operands):
+    """No sync: a zero update and the outer state as it is."""
+    anchor, _, outer_state = operands
+    return [jnp.zeros_like(x) for x in anchor], outer_state, jnp.bool_(False)
+
+
+def _average(leaves, bound, theta):
+    """The mean over devices of each leaf, one collective per bucket."""
     out = list(leaves)  # zero-size leaves travel nowhere
-    for bucket in _buckets(leaves):
+    for bucket in _buckets(leaves, theta):
         flat = bound.allreduce_bucket([leaves[i] for i in bucket])
         offset = 0
         for i in bucket:
@@ -316,15 +333,15 @@ def _average(leaves, bound):
     return out
 
 
-def _buckets(leaves):
+def _buckets(leaves, theta):
     dtypes = [np.dtype(jnp.result_type(x)) for x in leaves]
     nbytes = [int(np.size(x)) * d.itemsize for x, d in zip(leaves, dtypes, strict=True)]
-    return plan_buckets(nbytes, math.inf, kinds=dtypes)
+    return plan_buckets(nbytes, theta, kinds=dtypes)
 
 
-def _payload(leaves, bound) -> tuple[float, int]:
+def _payload(leaves, bound, theta) -> tuple[float, int]:
     """(bytes this device sends into a fragment's collectives, their number)."""
-    buckets = _buckets(leaves)
+    buckets = _buckets(leaves, theta)
     payload = sum(
         bound.payload_bytes(sum(int(np.size(leaves[i])) for i in b), jnp.result_type(leaves[b[0]]))
         for b in buckets
