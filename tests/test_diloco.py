@@ -342,6 +342,39 @@ def test_one_collective_per_dtype_on_hierarchical_axes():
             np.testing.assert_allclose(p["a"], want - 2 * INNER_LR * mean, rtol=1e-5)
 
 
+def test_under_pmap_as_under_shard_map():
+    params = _initial_params()
+    x, y = _data(4)
+    tx = _diloco(optax.adam(INNER_LR), sync_every=2, fragments=2)
+    mesh = _mesh()
+    run, p, state = _start(tx, mesh, params)
+    _, want_params, want_state = _steps(run, p, state, x, y, mesh)
+
+    def init(p):
+        return tx.init(p)
+
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(jaxcomm.local_params(state), x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    p = jax.tree.map(lambda v: np.broadcast_to(v, (N, *np.shape(v))), params)
+    state = jax.pmap(init, axis_name="data")(p)
+    run = jax.pmap(step, axis_name="data")
+    for s in range(len(x)):
+        p, state = jax.block_until_ready(run(p, state, x[s], y[s]))
+    for k in NAMES:
+        got = np.asarray(p[k])
+        assert all(got[d].tobytes() == got[0].tobytes() for d in range(N)), k
+        np.testing.assert_allclose(got[0], np.asarray(want_params[k]), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(state.local.value[k])[:, 0],
+            np.asarray(want_state.local.value[k]),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
 def test_a_nonfinite_pseudo_gradient_is_flagged_on_every_device():
     mesh = _mesh()
     grads = [{"w": np.ones((N, 3), np.float32)} for _ in range(4)]
