@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -578,3 +580,19 @@ def test_local_params_outside_shard_map_is_refused():
         jaxcomm.local_params(state)
     with pytest.raises(ValueError, match="found 0"):
         jaxcomm.local_params(optax.sgd(0.1).init(_initial_params()))
+
+
+def test_building_starts_no_backend():
+    """It may be built before jax.distributed.initialize, like the other transforms."""
+    code = (
+        "import jax, jax.numpy as jnp, optax, jaxcomm\n"
+        "from jax._src import xla_bridge\n"
+        "jaxcomm.diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True),\n"
+        "               ('node', 'data'), sync_every=8, fragments=4, wire_dtype=jnp.bfloat16,\n"
+        "               algorithm='hierarchical', backend='ffi')\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "print('not started')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not started" in proc.stdout
