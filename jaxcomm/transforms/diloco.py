@@ -67,7 +67,10 @@ def diloco(
     the other transforms, the gradient must be taken at *this device's* params,
     :func:`jaxcomm.local_params` ``(state)``, while ``params`` (passed to
     ``update`` and updated with ``optax.apply_updates``) are the global params
-    of the last sync, identical on every device. Each step (count ``s`` from 0):
+    of the last sync, identical on every device. It is a whole optimizer: put
+    nothing after it in a chain, since its updates must reach ``params`` as
+    they are (the local params adopt ``params + update`` at a sync). Each
+    step (count ``s`` from 0):
 
     1. ``local <- local + inner.update(grads)``, on this device only.
     2. For each fragment ``f`` due at ``s`` (see below): ``delta`` = mean over
