@@ -2,7 +2,8 @@
 
 - Transforms for the head of an optax chain: ``allreduce_gradients`` (fusion,
   wire casting, error feedback, double buffering, hierarchical) and
-  ``chunk_sparse`` (GradientFlow's coarse-grained sparse exchange).
+  ``chunk_sparse`` (GradientFlow's coarse-grained sparse exchange); and
+  ``diloco`` (local steps with an outer optimizer, DiLoCo and Streaming DiLoCo).
 - Collectives (``allreduce``, ``reduce_scatter``, ``all_gather``) with ring,
   hierarchical and shared-memory schedules, narrow wire dtypes and chunk
   masks, as JAX collectives (``backend="xla"``) or XLA FFI custom calls
@@ -31,11 +32,14 @@ from jaxcomm.transforms import (
     AllReduceGradientsState,
     ChunkSparseState,
     CommStats,
+    DiLoCoState,
     PerDevice,
     PowerSGDState,
     allreduce_gradients,
     chunk_sparse,
+    diloco,
     get_stats,
+    local_params,
     plan_buckets,
     powersgd,
     state_specs,
@@ -53,13 +57,16 @@ __all__ = [
     "plan",
     "ChunkSparseState",
     "CommStats",
+    "DiLoCoState",
     "PerDevice",
     "PowerSGDState",
     "allreduce_gradients",
     "chunk_sparse",
+    "diloco",
     "get_stats",
     "local_grad",
     "local_value_and_grad",
+    "local_params",
     "plan_buckets",
     "powersgd",
     "state_specs",

@@ -1,22 +1,26 @@
-"""Optax gradient transformations that communicate: dense allreduce and chunk-sparse."""
+"""Optax gradient transformations that communicate: dense allreduce, chunk-sparse, DiLoCo."""
 
 from jaxcomm.collectives import DEFAULT_BUCKET_BYTES
 from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
+from jaxcomm.transforms.diloco import DiLoCoState, diloco, local_params
 from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AllReduceGradientsState",
     "ChunkSparseState",
+    "DiLoCoState",
     "CommStats",
     "PerDevice",
     "PowerSGDState",
     "allreduce_gradients",
     "chunk_sparse",
+    "diloco",
     "get_stats",
+    "local_params",
     "plan_buckets",
     "powersgd",
     "state_specs",

@@ -168,7 +168,14 @@ def _with_path(tree):
 
 
 def per_device_zeros(tree, comm: Reduction) -> PerDevice:
-    """Zeros shaped like `tree`'s leaves, with one leading row per device of `comm`.
+    """Zeros shaped like `tree`'s leaves, with one leading row per device of `comm`."""
+    return per_device_copies(
+        jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree), comm
+    )
+
+
+def per_device_copies(tree, comm: Reduction) -> PerDevice:
+    """`tree`'s leaves repeated in one leading row per device of `comm`.
 
     Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
     with its rows split over `comm`'s axes, as :func:`state_specs` says,
@@ -179,14 +186,14 @@ def per_device_zeros(tree, comm: Reduction) -> PerDevice:
     rows, bound = devices_on(comm)
     spec = P(comm.axes[0] if len(comm.axes) == 1 else comm.axes)
 
-    def zeros(x):
-        z = jnp.zeros((rows, *jnp.shape(x)), jnp.result_type(x))
-        if bound or isinstance(z, jax.core.Tracer):  # inside a trace its caller places it
-            return z
+    def copies(x):
+        r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
+        if bound or isinstance(r, jax.core.Tracer):  # inside a trace its caller places it
+            return r
         mesh = jax.sharding.get_mesh()
-        return z if mesh.empty else jax.device_put(z, NamedSharding(mesh, spec))
+        return r if mesh.empty else jax.device_put(r, NamedSharding(mesh, spec))
 
-    return PerDevice(jax.tree.map(zeros, tree))
+    return PerDevice(jax.tree.map(copies, tree))
 
 
 def local(per_device: PerDevice):

@@ -1,0 +1,598 @@
+"""diloco against a NumPy float64 DiLoCo written here from the papers, step by step.
+
+Each of the 8 devices fits a linear regression to its own data (a different
+target per device), so the local trajectories really diverge between syncs.
+The reference keeps every device's params, inner optimizer state and the
+per-fragment outer states in float64 and is compared with the jitted
+shard_map step after every step: the global params, every device's local
+params, and the stats. Also: replicas bitwise equal right after a sync and
+different between syncs, collectives only inside the sync branch of the HLO,
+bad options named at construction, and an Orbax checkpoint resumed mid-cycle.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
+from tests.harness import mesh_of
+
+N = 8
+SHAPES = {"bias": (), "w_a": (5,), "w_b": (2, 4), "w_c": (7,)}  # tree order: sorted keys
+NAMES = list(SHAPES)
+FEATURES, BATCH = 5 + 8 + 7, 6
+STEPS = 24
+# Written out by hand for these shapes (21 elements: 1, 5, 8, 7).
+FRAGMENTS = {1: [NAMES], 3: [["bias", "w_a"], ["w_b"], ["w_c"]]}
+# (sync_every, fragments) -> (step + 1) % H at which each fragment syncs.
+OFFSETS = {(4, 1): [0], (6, 3): [2, 4, 0]}
+INNER_LR, OUTER_LR, OUTER_MOMENTUM = 0.05, 0.7, 0.9
+
+
+# -- the problem ------------------------------------------------------------
+
+
+def _data(steps: int, seed: int = 0):
+    """Per step and device a batch of a linear regression; each device's targets
+    come from its own weights."""
+    rng = np.random.default_rng(seed)
+    truth = rng.standard_normal((N, FEATURES + 1))
+    x = rng.standard_normal((steps, N, BATCH, FEATURES)).astype(np.float32)
+    y = np.einsum("sdbf,df->sdb", x, truth[:, :-1]) + truth[:, -1][None, :, None]
+    return x, y.astype(np.float32)
+
+
+def _initial_params():
+    rng = np.random.default_rng(7)
+    return {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _loss(p, x, y):
+    w = jnp.concatenate([p["w_a"], p["w_b"].reshape(-1), p["w_c"]])
+    return 0.5 * jnp.mean((x @ w + p["bias"] - y) ** 2)
+
+
+def _np_grad(p, x, y):
+    """The gradient of _loss in float64, by hand."""
+    w = np.concatenate([p["w_a"], p["w_b"].reshape(-1), p["w_c"]])
+    r = x @ w + p["bias"] - y
+    gw = x.T @ r / len(y)
+    return {"bias": r.mean(), "w_a": gw[:5], "w_b": gw[5:13].reshape(2, 4), "w_c": gw[13:]}
+
+
+# -- the reference optimizers (optax's definitions, in float64) -------------
+
+
+class NpSgd:
+    def init(self, keys):
+        return None
+
+    def update(self, g, state):
+        return {k: -INNER_LR * v for k, v in g.items()}, state
+
+
+class NpAdam:
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def init(self, keys):
+        return 0, {k: np.zeros(SHAPES[k]) for k in keys}, {k: np.zeros(SHAPES[k]) for k in keys}
+
+    def update(self, g, state):
+        t, mu, nu = state
+        t += 1
+        mu = {k: self.b1 * mu[k] + (1 - self.b1) * g[k] for k in g}
+        nu = {k: self.b2 * nu[k] + (1 - self.b2) * g[k] ** 2 for k in g}
+        u = {
+            k: -INNER_LR
+            * (mu[k] / (1 - self.b1**t))
+            / (np.sqrt(nu[k] / (1 - self.b2**t)) + self.eps)
+            for k in g
+        }
+        return u, (t, mu, nu)
+
+
+class NpNesterov:
+    def init(self, keys):
+        return {k: np.zeros(SHAPES[k]) for k in keys}
+
+    def update(self, g, trace):
+        trace = {k: g[k] + OUTER_MOMENTUM * trace[k] for k in g}
+        return {k: -OUTER_LR * (g[k] + OUTER_MOMENTUM * trace[k]) for k in g}, trace
+
+
+def reference(inner, params, x, y, *, sync_every, fragments):
+    """DiLoCo in float64: per step, (global params, per-device local params,
+    names synced this step)."""
+    groups, offsets = FRAGMENTS[fragments], OFFSETS[sync_every, fragments]
+    glob = {k: v.astype(np.float64) for k, v in params.items()}
+    local = [dict(glob) for _ in range(N)]
+    inner_states = [inner.init(NAMES) for _ in range(N)]
+    outer = NpNesterov()
+    outer_states = [outer.init(names) for names in groups]
+    out = []
+    for s in range(len(x)):
+        for d in range(N):
+            g = _np_grad(local[d], x[s, d].astype(np.float64), y[s, d].astype(np.float64))
+            u, inner_states[d] = inner.update(g, inner_states[d])
+            local[d] = {k: local[d][k] + u[k] for k in NAMES}
+        synced = []
+        for f, names in enumerate(groups):
+            if (s + 1) % sync_every != offsets[f]:
+                continue
+            delta = {k: np.mean([glob[k] - local[d][k] for d in range(N)], axis=0) for k in names}
+            u, outer_states[f] = outer.update(delta, outer_states[f])
+            glob = {**glob, **{k: glob[k] + u[k] for k in names}}
+            local = [{**local[d], **{k: glob[k] for k in names}} for d in range(N)]
+            synced += names
+        out.append((glob, [dict(p) for p in local], synced))
+    return out
+
+
+# -- running the transform --------------------------------------------------
+
+
+def _mesh():
+    return mesh_of((N,), ("data",))
+
+
+def _put(tree, mesh, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def _runner(tx, mesh, state):
+    """The user's step, as the docstring shows it, jitted."""
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(jaxcomm.local_params(state), x[0], y[0])
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    data = P("data")
+    return jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, data, data), out_specs=(P(), specs))
+    ), specs
+
+
+def _start(tx, mesh, params):
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    run, specs = _runner(tx, mesh, state)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    return run, params, _put(state, mesh, specs)
+
+
+def _steps(run, params, state, x, y, mesh):
+    """Runs every step (one in flight at a time); per step, NumPy (params, state)."""
+    rows = NamedSharding(mesh, P("data"))
+    out = []
+    for s in range(len(x)):
+        xs, ys = jax.device_put(x[s], rows), jax.device_put(y[s], rows)
+        params, state = jax.block_until_ready(run(params, state, xs, ys))
+        out.append(jax.tree.map(np.asarray, (params, state)))
+    return out, params, state
+
+
+def _diloco(inner, **options):
+    outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    return jaxcomm.diloco(inner, outer, "data", **options)
+
+
+# -- against the reference --------------------------------------------------
+
+# name -> (inner, its reference, sync_every, fragments, options, collectives per
+# sync: "leaf" one per leaf synced, else that number).
+CASES = {
+    "adam_xla": (optax.adam(INNER_LR), NpAdam(), 4, 1, {"backend": "xla"}, "leaf"),
+    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(), 4, 1, {"backend": "ffi"}, 1),  # one 4 MiB bucket
+    "streaming_adam_xla_fused": (
+        optax.adam(INNER_LR),
+        NpAdam(),
+        6,
+        3,
+        {"backend": "xla", "bucket_bytes": math.inf},
+        1,
+    ),
+    "streaming_sgd_ffi_unfused": (
+        optax.sgd(INNER_LR),
+        NpSgd(),
+        6,
+        3,
+        {"backend": "ffi", "bucket_bytes": 0},
+        "leaf",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_float64_reference_step_by_step(case):
+    inner, np_inner, sync_every, fragments, options, per_sync = CASES[case]
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(STEPS)
+    tx = _diloco(inner, sync_every=sync_every, fragments=fragments, **options)
+    run, p, state = _start(tx, mesh, params)
+    got, _, _ = _steps(run, p, state, x, y, mesh)
+    want = reference(np_inner, params, x, y, sync_every=sync_every, fragments=fragments)
+    total = sum(int(np.prod(s)) for s in SHAPES.values())
+    syncs = 0
+    for s, ((gp, gs), (wp, wlocal, synced)) in enumerate(zip(got, want, strict=True)):
+        for k in NAMES:
+            np.testing.assert_allclose(gp[k], wp[k], rtol=2e-4, atol=2e-5, err_msg=f"{k} {s}")
+            rows = gs.local.value[k]
+            for d in range(N):
+                np.testing.assert_allclose(
+                    rows[d], wlocal[d][k], rtol=2e-4, atol=2e-5, err_msg=f"local {k} {s} {d}"
+                )
+            if k in synced:  # every device adopted the global params, bitwise
+                assert all(rows[d].tobytes() == gp[k].tobytes() for d in range(N)), (k, s)
+            else:  # each device went its own way since this leaf's last sync
+                assert any(rows[d].tobytes() != rows[0].tobytes() for d in range(N)), (k, s)
+                if s:  # and the global params did not move
+                    assert gp[k].tobytes() == got[s - 1][0][k].tobytes(), (k, s)
+        stats = jaxcomm.get_stats(gs)
+        elements = sum(int(np.prod(SHAPES[k])) for k in synced)
+        collectives = len(synced) if per_sync == "leaf" else per_sync * bool(synced)
+        assert int(stats.collectives) == collectives, s
+        assert float(stats.payload_bytes) == 4 * elements, s
+        np.testing.assert_allclose(float(stats.bytes_sent), 4 * elements * 2 * (N - 1) / N)
+        np.testing.assert_allclose(float(stats.density), elements / total, rtol=1e-6)
+        assert not bool(stats.nonfinite)
+        assert int(gs.count) == s + 1
+        syncs += bool(synced)
+    assert syncs == STEPS * fragments // sync_every
+
+
+def test_plan_fragments_cuts_at_the_nearest_boundary():
+    assert plan_fragments([1, 5, 8, 7], 1) == ((0, 4),)
+    assert plan_fragments([1, 5, 8, 7], 3) == ((0, 2), (2, 3), (3, 4))
+    assert plan_fragments([10, 1, 1, 10], 2) == ((0, 2), (2, 4))  # 11 of 22
+    assert plan_fragments([3, 2, 3], 2) == ((0, 1), (1, 3))  # 3 and 5 tie around 4
+    assert plan_fragments([100, 1, 1], 3) == ((0, 1), (1, 2), (2, 3))  # one leaf each at least
+    assert plan_fragments([0, 6, 0, 6], 2) == ((0, 2), (2, 4))
+    with pytest.raises(ValueError, match="fragments=3"):
+        plan_fragments([4, 4], 3)
+
+
+def test_sync_offsets_follow_the_schedule():
+    for (h, f), offsets in OFFSETS.items():
+        assert list(sync_offsets(h, f)) == offsets
+    assert sync_offsets(8, 4) == (2, 4, 6, 0)
+    assert sync_offsets(1, 1) == (0,)
+
+
+def test_narrow_wire_halves_the_payload_and_keeps_replicas_equal():
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(8)
+    runs = {}
+    for wire in (None, jnp.bfloat16):
+        tx = _diloco(optax.adam(INNER_LR), sync_every=4, wire_dtype=wire)
+        run, p, state = _start(tx, mesh, params)
+        runs[wire], _, _ = _steps(run, p, state, x, y, mesh)
+    for s in (3, 7):
+        (p16, st16), (p32, _) = runs[jnp.bfloat16][s], runs[None][s]
+        assert float(jaxcomm.get_stats(st16).payload_bytes) == 2 * 21
+        for k in NAMES:
+            rows = st16.local.value[k]
+            assert all(rows[d].tobytes() == p16[k].tobytes() for d in range(N))
+            np.testing.assert_allclose(p16[k], p32[k], rtol=3e-2, atol=3e-3)
+
+
+def _run_simple(tx, mesh, axes, params, grads):
+    """Steps with given per-device gradients (rows), taken as if at the local params."""
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, axes)
+
+    def step(params, state, g):
+        updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state, params)
+        return optax.apply_updates(params, updates), state
+
+    rows = P(axes)
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, rows), out_specs=(P(), specs))
+    )
+    state = _put(state, mesh, specs)
+    out = []
+    for g in grads:
+        g = jax.device_put(g, NamedSharding(mesh, rows))
+        params, state = jax.block_until_ready(run(params, state, g))
+        out.append(jax.tree.map(np.asarray, (params, state)))
+    return out
+
+
+def test_one_collective_per_dtype_on_hierarchical_axes():
+    mesh = mesh_of((2, 4), ("node", "local"))
+    axes = ("node", "local")
+    params = {"a": jnp.ones(4, jnp.float32), "b": jnp.ones(3, jnp.bfloat16)}
+    rng = np.random.default_rng(3)
+    grads = [
+        {
+            "a": rng.standard_normal((N, 4)).astype(np.float32),
+            "b": rng.standard_normal((N, 3)).astype(jnp.bfloat16),
+        }
+        for _ in range(4)
+    ]
+    tx = jaxcomm.diloco(
+        optax.sgd(INNER_LR), optax.sgd(1.0), axes, sync_every=2, algorithm="hierarchical"
+    )
+    out = _run_simple(tx, mesh, axes, params, grads)
+    for s, (p, state) in enumerate(out):
+        stats = jaxcomm.get_stats(state)
+        assert int(stats.collectives) == (2 if s % 2 else 0)
+        assert float(stats.payload_bytes) == (4 * 4 + 3 * 2 if s % 2 else 0)
+        if s % 2:  # outer sgd(1.0) on the mean pseudo-gradient: the mean of the local params
+            for k in p:
+                rows = state.local.value[k]
+                assert all(r.tobytes() == p[k].tobytes() for r in rows), (k, s)
+            mean = np.mean([g["a"].astype(np.float64) for g in grads[s - 1 : s + 1]], axis=(0, 1))
+            want = out[s - 2][0]["a"] if s > 1 else np.ones(4)
+            np.testing.assert_allclose(p["a"], want - 2 * INNER_LR * mean, rtol=1e-5)
+
+
+def test_under_pmap_as_under_shard_map():
+    params = _initial_params()
+    x, y = _data(4)
+    tx = _diloco(optax.adam(INNER_LR), sync_every=2, fragments=2)
+    mesh = _mesh()
+    run, p, state = _start(tx, mesh, params)
+    _, want_params, want_state = _steps(run, p, state, x, y, mesh)
+
+    def init(p):
+        return tx.init(p)
+
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(jaxcomm.local_params(state), x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    p = jax.tree.map(lambda v: np.broadcast_to(v, (N, *np.shape(v))), params)
+    state = jax.pmap(init, axis_name="data")(p)
+    run = jax.pmap(step, axis_name="data")
+    for s in range(len(x)):
+        p, state = jax.block_until_ready(run(p, state, x[s], y[s]))
+    for k in NAMES:
+        got = np.asarray(p[k])
+        assert all(got[d].tobytes() == got[0].tobytes() for d in range(N)), k
+        np.testing.assert_allclose(got[0], np.asarray(want_params[k]), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(state.local.value[k])[:, 0],
+            np.asarray(want_state.local.value[k]),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
+def test_a_nonfinite_pseudo_gradient_is_flagged_on_every_device():
+    mesh = _mesh()
+    grads = [{"w": np.ones((N, 3), np.float32)} for _ in range(4)]
+    grads[2]["w"][5, 1] = np.nan  # one device, between syncs
+    tx = _diloco(optax.sgd(INNER_LR), sync_every=2)
+    out = _run_simple(tx, mesh, "data", {"w": jnp.zeros(3)}, grads)
+    assert [bool(jaxcomm.get_stats(st).nonfinite) for _, st in out] == [False] * 3 + [True]
+
+
+# -- where the collectives are ----------------------------------------------
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"\b(?:to_apply|body|condition|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _computations(hlo: str):
+    """{name: [instruction lines]} and the entry's name."""
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(2)
+            comps[name] = []
+            entry = name if m.group(1) else entry
+        elif name and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+    return comps, entry
+
+
+def _communicates(line: str) -> bool:
+    return bool(re.search(r"\ball-reduce(-start)?\(|custom_call_target=\"jaxcomm", line))
+
+
+def _collectives_outside_branches(comps, name) -> int:
+    """Collectives reached from `name` without entering a conditional's branch."""
+    count = 0
+    for line in comps[name]:
+        count += _communicates(line)
+        if not _BRANCHES.search(line):
+            count += sum(_collectives_outside_branches(comps, c) for c in _CALLED.findall(line))
+    return count
+
+
+def _all_collectives(comps, name) -> int:
+    count = 0
+    for line in comps[name]:
+        count += _communicates(line)
+        called = _CALLED.findall(line)
+        m = _BRANCHES.search(line)
+        if m:
+            called += [c.strip().lstrip("%") for c in m.group(1).split(",")]
+        count += sum(_all_collectives(comps, c) for c in called)
+    return count
+
+
+def _conditionals(comps):
+    """Per conditional, the number of collectives in each branch."""
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            m = _BRANCHES.search(line)
+            if m:
+                branches = [c.strip().lstrip("%") for c in m.group(1).split(",")]
+                out.append(sorted(_all_collectives(comps, b) for b in branches))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fragments", "backend", "bucket_bytes"),
+    [(1, "xla", None), (3, "xla", math.inf), (3, "ffi", None)],
+)
+def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_bytes):
+    mesh = _mesh()
+    tx = _diloco(
+        optax.adam(INNER_LR),
+        sync_every=6,
+        fragments=fragments,
+        backend=backend,
+        bucket_bytes=bucket_bytes,
+    )
+    run, p, state = _start(tx, mesh, _initial_params())
+    x, y = _data(1)
+    rows = NamedSharding(mesh, P("data"))
+    hlo = run.lower(p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
+    for text in (hlo.as_text(dialect="hlo"), hlo.compile().as_text()):
+        comps, entry = _computations(text)
+        assert _collectives_outside_branches(comps, entry) == 0
+        # One conditional per fragment: collectives in its sync branch, none in the other;
+        # one per leaf unfused (XLA may combine them when it compiles), else one.
+        syncs = [c for c in _conditionals(comps) if any(c)]
+        assert len(syncs) == fragments and all(c[0] == 0 for c in syncs), syncs
+        if bucket_bytes is not None or backend == "ffi":
+            assert syncs == [[0, 1]] * fragments
+
+
+# -- the surroundings --------------------------------------------------------
+
+
+def test_get_stats_and_local_params_find_it_in_a_chain():
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(4)
+    tx = optax.chain(optax.identity(), _diloco(optax.sgd(INNER_LR), sync_every=2, fragments=2))
+    run, p, state = _start(tx, mesh, params)
+    got, _, _ = _steps(run, p, state, x, y, mesh)
+    densities = [float(jaxcomm.get_stats(st).density) for _, st in got]
+    # Fragments of 14 and 7 elements: the first at odd steps + 1, the second at even.
+    np.testing.assert_allclose(densities, [14 / 21, 7 / 21] * 2, rtol=1e-6)
+
+
+def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(20)
+    tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2)
+    run, p, state = _start(tx, mesh, params)
+    _, p_straight, state_straight = _steps(run, p, state, x, y, mesh)
+
+    run, p, state = _start(tx, mesh, params)
+    _, p10, state10 = _steps(run, p, state, x[:10], y[:10], mesh)  # mid-cycle: 10 % 4 == 2
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "step10", (p10, state10))
+    # A fresh start as the template, as a new process would build it.
+    run, p, state = _start(tx, mesh, params)
+    with ocp.StandardCheckpointer() as ckpt:
+        p, state = ckpt.restore(tmp_path / "step10", (p, state))
+    assert int(state.count) == 10
+    _, p_resumed, state_resumed = _steps(run, p, state, x[10:], y[10:], mesh)
+
+    want = jax.tree_util.tree_leaves_with_path((p_straight, state_straight))
+    got = jax.tree.leaves((p_resumed, state_resumed))
+    assert len(got) == len(want)
+    for (path, w), g in zip(want, got, strict=True):
+        w, g = np.asarray(w), np.asarray(g)
+        assert w.dtype == g.dtype and w.shape == g.shape, jax.tree_util.keystr(path)
+        assert w.tobytes() == g.tobytes(), f"{jax.tree_util.keystr(path)} differs after resuming"
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "named"),
+    [
+        ({"inner": None}, TypeError, "inner="),
+        ({"outer": "sgd"}, TypeError, "outer="),
+        ({"sync_every": 0}, ValueError, "sync_every=0"),
+        ({"sync_every": 2.0}, ValueError, "sync_every=2.0"),
+        ({"sync_every": True}, ValueError, "sync_every=True"),
+        ({"fragments": 0}, ValueError, "fragments=0"),
+        ({"fragments": 5}, ValueError, "fragments=5"),
+        ({"wire_dtype": jnp.int8}, TypeError, "wire_dtype="),
+        ({"algorithm": "tree"}, ValueError, "algorithm="),
+        ({"backend": "nccl"}, ValueError, "backend="),
+        ({"bucket_bytes": -1}, ValueError, "bucket_bytes=-1"),
+    ],
+)
+def test_bad_options_are_named_at_construction(options, error, named):
+    kwargs = {
+        "inner": optax.sgd(0.1),
+        "outer": optax.sgd(0.7),
+        "axis_name": "data",
+        "sync_every": 4,
+        **options,
+    }
+    with pytest.raises(error, match=re.escape(named)):
+        jaxcomm.diloco(**kwargs)
+
+
+def test_too_many_fragments_for_the_leaves_is_named_at_init():
+    tx = _diloco(optax.sgd(0.1), sync_every=4, fragments=3)
+    with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="fragments=3"):
+        tx.init({"a": jnp.zeros(3), "b": jnp.zeros(2)})
+
+
+def test_update_without_params_or_with_reduced_gradients_is_refused():
+    mesh = _mesh()
+    tx = _diloco(optax.sgd(0.1), sync_every=4)
+    _, params, state = _start(tx, mesh, _initial_params())
+    specs = jaxcomm.state_specs(state, "data")
+
+    def without_params(params, state):
+        return tx.update(jaxcomm.local_params(state), state)[1]
+
+    def at_global_params(params, state):  # grads of replicated params: already summed
+        grads = jax.grad(_loss)(params, jnp.ones((1, FEATURES)), jnp.zeros(1))
+        return tx.update(grads, state, params)[1]
+
+    for fn, message in ((without_params, "needs params"), (at_global_params, "local_params")):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), specs), out_specs=specs))
+        with pytest.raises(ValueError, match=message):
+            f.trace(params, state)
+
+
+def test_local_params_outside_shard_map_is_refused():
+    tx = _diloco(optax.sgd(0.1), sync_every=4)
+    with jax.set_mesh(_mesh()):
+        state = tx.init(_initial_params())
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        jaxcomm.local_params(state)
+    with pytest.raises(ValueError, match="found 0"):
+        jaxcomm.local_params(optax.sgd(0.1).init(_initial_params()))
+
+
+def test_building_starts_no_backend():
+    """It may be built before jax.distributed.initialize, like the other transforms."""
+    code = (
+        "import jax, jax.numpy as jnp, optax, jaxcomm\n"
+        "from jax._src import xla_bridge\n"
+        "jaxcomm.diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True),\n"
+        "               ('node', 'data'), sync_every=8, fragments=4, wire_dtype=jnp.bfloat16,\n"
+        "               algorithm='hierarchical', backend='ffi')\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "print('not started')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not started" in proc.stdout
