@@ -1,8 +1,8 @@
 """Do the devices of an axis hold the same values? The replica check.
 
 Data-parallel training relies on every device holding bitwise the same
-parameters and optimizer state after every step (DESIGN.md, "identical
-replicas"). :func:`check_replicas` measures it inside ``jax.shard_map`` or
+parameters and optimizer state after every step (docs/design.md,
+"Invariants"). :func:`check_replicas` measures it inside ``jax.shard_map`` or
 ``jax.pmap``; :func:`check_replicas_host` does the same on the host for an
 array gathered with one leading row per device.
 

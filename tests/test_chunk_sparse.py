@@ -48,7 +48,7 @@ def _chunk_l1(x: np.ndarray, nchunks: int) -> np.ndarray:
 
 def algorithm1(w0, grads, *, density, warmup, decay=MU):
     """GradientFlow Algorithm 1 with momentum SGD, in NumPy float64, written
-    from DESIGN.md: u = mu*u + lr*g; w -= u on important chunks only.
+    from the paper: u = mu*u + lr*g; w -= u on important chunks only.
 
     Returns per-step (params pool, mask used at that step)."""
     w = w0.astype(np.float64)
