@@ -86,8 +86,12 @@ def comm_for(name: str, args) -> train.Comm:
     return dataclasses.replace(comm, **overrides)
 
 
-def run_all(args) -> dict:
-    """{config: [result per seed]}, with a progress bar (or line) per run."""
+def run_all(args, on_result=None) -> dict:
+    """{config: [result per seed]}, with a progress bar (or line) per run.
+
+    Seeds are the outer loop, so a run stopped early has every configuration
+    at the first seeds. ``on_result(results)`` is called after each run.
+    """
     corpus = data.load_corpus(train_bytes=args.train_bytes, val_bytes=args.val_bytes)
     print(
         f"corpus: {len(corpus.train_files)} training files, {len(corpus.val_files)} held out "
@@ -95,8 +99,8 @@ def run_all(args) -> dict:
         flush=True,
     )
     results = {}
-    for name in args.configs:
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for name in args.configs:
             run = train.Run(
                 comm=comm_for(name, args),
                 seed=seed,
@@ -115,6 +119,8 @@ def run_all(args) -> dict:
                 f"{name} seed {seed}: val loss {result['val_loss']:.4f}, {result['wall_s']:.1f} s",
                 flush=True,
             )
+            if on_result is not None:
+                on_result(results)
     return results
 
 
@@ -217,28 +223,34 @@ def plot(results: dict, path: str) -> None:
     print(f"validation curves: {path}")
 
 
+def write_json(args, results: dict) -> str:
+    """Every run so far (rewritten after each, so a stopped job keeps them)."""
+    os.makedirs(args.out, exist_ok=True)
+    out = {
+        "args": vars(args),
+        "rows": summarize(results),
+        "val_steps": {k: v[0]["val_steps"] for k, v in results.items()},
+        "val_losses": {k: [r["val_losses"] for r in v] for k, v in results.items()},
+        "losses": {k: [r["losses"] for r in v] for k, v in results.items()},
+        "wall_s": {k: [r["wall_s"] for r in v] for k, v in results.items()},
+    }
+    path = os.path.join(args.out, f"{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    results = run_all(args)
+    results = run_all(args, on_result=(lambda r: write_json(args, r)) if args.out else None)
     rows = summarize(results)
     params = next(iter(results.values()))[0]["params"]
     print_table(rows, args.seeds, jax.device_count(), params)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         plot(results, os.path.join(args.out, f"{args.tag}.png"))
-        out = {
-            "args": vars(args),
-            "rows": rows,
-            "val_steps": {k: v[0]["val_steps"] for k, v in results.items()},
-            "val_losses": {k: [r["val_losses"] for r in v] for k, v in results.items()},
-            "losses": {k: [r["losses"] for r in v] for k, v in results.items()},
-        }
-        path = os.path.join(args.out, f"{args.tag}.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        print(f"results: {path}")
+        print(f"results: {write_json(args, results)}")
     return 0
 
 
