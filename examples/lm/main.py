@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=train.Run.steps)
     p.add_argument("--batch-per-device", type=int, default=train.Run.batch_per_device)
     p.add_argument("--lr", type=float, default=train.Run.lr, help="AdamW learning rate")
+    p.add_argument("--b1", type=float, default=train.Run.b1, help="AdamW's β1 (momentum)")
     p.add_argument("--lr-warmup", type=int, default=0, help="linear lr warm-up steps")
     p.add_argument("--eval-every", type=int, default=train.Run.eval_every)
     p.add_argument("--density", type=float, default=None, help="override 'csc' density")
@@ -107,6 +108,7 @@ def run_all(args, on_result=None) -> dict:
                 steps=args.steps,
                 batch_per_device=args.batch_per_device,
                 lr=args.lr,
+                b1=args.b1,
                 lr_warmup=args.lr_warmup,
                 eval_every=args.eval_every,
                 train_bytes=args.train_bytes,

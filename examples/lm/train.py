@@ -80,6 +80,7 @@ class Run:
     steps: int = 300
     batch_per_device: int = 8
     lr: float = 3e-3
+    b1: float = 0.9
     lr_warmup: int = 0
     eval_every: int = 50
     eval_windows: int = 256
@@ -101,7 +102,7 @@ def learning_rate(run: Run):
 def make_optimizer(run: Run) -> optax.GradientTransformation:
     """AdamW behind the configuration's jaxcomm transform (chunk-sparse wraps it)."""
     comm = run.comm
-    adamw = optax.adamw(learning_rate(run))
+    adamw = optax.adamw(learning_rate(run), b1=run.b1)
     if comm.density is not None:
         return jaxcomm.chunk_sparse(
             adamw,
