@@ -1,0 +1,249 @@
+"""Data-parallel training of the byte transformer with jaxcomm, and its validation loss.
+
+Every device holds the whole model and 1/N of each global batch of windows.
+It computes gradients on its slice; the jaxcomm transform at the head of the
+optax chain (or ``chunk_sparse`` around AdamW) turns them into the global
+gradient, identical on every device.
+
+Import this after ``XLA_FLAGS`` asks for several host devices (``main.py``
+does); with one device there is nothing to communicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import data
+import delay
+import jax
+import model
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How gradients travel in one configuration.
+
+    Attributes:
+      wire_dtype: None (float32), "float16" or "bfloat16".
+      error_feedback: keep what the wire cast dropped for the next step.
+      double_buffering: apply the previous step's reduced gradient.
+      delay_compensation: λ of the DC-ASGD correction of a double-buffered
+        gradient (None: none); see delay.py.
+      weight_prediction: take the gradient at ``2 w_t - w_{t-1}``, the
+        linear prediction of the parameters it will be applied to one step
+        later under double buffering.
+      density: chunk-sparse exchange of this fraction of chunks (None: dense).
+      chunk_size: chunk-sparse chunk, in elements.
+      warmup_steps: chunk-sparse warm-up from dense to ``density``.
+    """
+
+    wire_dtype: str | None = None
+    error_feedback: bool = False
+    double_buffering: bool = False
+    delay_compensation: float | None = None
+    weight_prediction: bool = False
+    density: float | None = None
+    chunk_size: int = 1024
+    warmup_steps: int = 30
+
+
+CONFIGURATIONS = {
+    "dense": Comm(),
+    "bf16": Comm(wire_dtype="bfloat16"),
+    "fp16": Comm(wire_dtype="float16"),
+    "fp16+ef": Comm(wire_dtype="float16", error_feedback=True),
+    "db": Comm(double_buffering=True),
+    "fp16+db": Comm(wire_dtype="float16", double_buffering=True),
+    "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
+    "db+wp": Comm(double_buffering=True, weight_prediction=True),
+    "csc": Comm(density=0.15),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run: a configuration, a seed and the hyperparameters."""
+
+    comm: Comm = Comm()
+    seed: int = 0
+    steps: int = 300
+    batch_per_device: int = 8
+    lr: float = 3e-3
+    b1: float = 0.9
+    lr_warmup: int = 0
+    eval_every: int = 50
+    eval_windows: int = 256
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 64
+    train_bytes: int = data.TRAIN_BYTES
+    val_bytes: int = data.VAL_BYTES
+
+
+def learning_rate(run: Run):
+    """Constant, after an optional linear warm-up from 0 over ``lr_warmup`` steps."""
+    if not run.lr_warmup:
+        return run.lr
+    return optax.linear_schedule(0.0, run.lr, run.lr_warmup)
+
+
+def make_optimizer(run: Run) -> optax.GradientTransformation:
+    """AdamW behind the configuration's jaxcomm transform (chunk-sparse wraps it)."""
+    comm = run.comm
+    adamw = optax.adamw(learning_rate(run), b1=run.b1)
+    if comm.density is not None:
+        return jaxcomm.chunk_sparse(
+            adamw,
+            AXIS,
+            density=comm.density,
+            chunk_size=comm.chunk_size,
+            warmup_steps=comm.warmup_steps,
+            wire_dtype=comm.wire_dtype,
+        )
+    reduce = jaxcomm.allreduce_gradients(
+        AXIS,
+        wire_dtype=comm.wire_dtype,
+        error_feedback=comm.error_feedback,
+        double_buffering=comm.double_buffering,
+    )
+    if comm.delay_compensation is None:
+        return optax.chain(reduce, adamw)
+    return optax.chain(reduce, delay.delay_compensation(comm.delay_compensation), adamw)
+
+
+def _loss(graphdef, params, windows):
+    logits = nnx.merge(graphdef, params)(windows[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+
+def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = False):
+    """jit(shard_map(step)): params replicated, windows split over the devices.
+
+    The step takes and returns the previous parameters too (unused unless
+    ``weight_prediction``).
+    """
+
+    def step(params, previous, opt_state, windows):
+        at = params
+        if weight_prediction:
+            # A double-buffered gradient is applied one step later, to
+            # w_{t+1} ≈ w_t + (w_t - w_{t-1}): take it there.
+            at = jax.tree.map(lambda w, w_prev: 2 * w - w_prev, params, previous)
+        # This device's own gradient (jax.grad of replicated params would sum
+        # it over the devices), so the jaxcomm transform does the only
+        # communication.
+        loss, grads = jaxcomm.local_value_and_grad(_loss, AXIS, argnums=1)(graphdef, at, windows)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return new_params, params, opt_state, jax.lax.pmean(loss, AXIS)
+
+    return jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), state_specs, P(AXIS)),
+            out_specs=(P(), P(), state_specs, P()),
+        )
+    )
+
+
+def make_eval(graphdef, mesh):
+    """Mean next-byte loss (nats) over windows split across the devices."""
+
+    def evaluate(params, windows):
+        return jax.lax.pmean(_loss(graphdef, params, windows), AXIS)
+
+    return jax.jit(jax.shard_map(evaluate, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+
+
+def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict:
+    """Trains the byte transformer data-parallel over all devices.
+
+    Args:
+      run: what to train and how gradients travel.
+      progress: optional callable taking (step, total, loss), e.g. a tqdm update.
+      corpus: the bytes to train and validate on (default: ``data.load_corpus``
+        with the run's sizes).
+
+    Returns:
+      ``losses`` (training loss per step), ``val_steps`` and ``val_losses``
+      (validation loss before training, every ``eval_every`` steps and at
+      the end), ``val_loss`` (the last), ``step_time_s`` (mean over the steps
+      after the first, which compiles), ``wall_s``, ``bytes_per_step``
+      (bytes this device sends per step, from ``jaxcomm.get_stats``, mean
+      over steps) and ``params`` (the parameter count).
+    """
+    start_wall = time.perf_counter()
+    n = jax.device_count()
+    if corpus is None:
+        corpus = data.load_corpus(train_bytes=run.train_bytes, val_bytes=run.val_bytes)
+    if run.eval_windows % n:
+        raise ValueError(f"eval_windows={run.eval_windows} is not divisible by {n} devices")
+    net = model.ByteTransformer(
+        layers=run.layers,
+        width=run.width,
+        heads=run.heads,
+        context=run.context,
+        rngs=nnx.Rngs(run.seed),
+    )
+    graphdef, params = nnx.split(net, nnx.Param)
+    mesh = jax.make_mesh((n,), (AXIS,))
+    tx = make_optimizer(run)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+    specs = jaxcomm.state_specs(opt_state, AXIS)
+    opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    step = make_step(graphdef, tx, mesh, specs, weight_prediction=run.comm.weight_prediction)
+    previous = params
+    evaluate = make_eval(graphdef, mesh)
+    split = NamedSharding(mesh, P(AXIS))
+    # One window more than the context: inputs are [:-1], targets [1:].
+    val_windows = jax.device_put(
+        data.fixed_windows(corpus.val, run.eval_windows, run.context + 1), split
+    )
+
+    def validate():
+        return float(jax.block_until_ready(evaluate(params, val_windows)))
+
+    rng = np.random.default_rng(run.seed + 1)
+    val_steps, val_losses = [0], [validate()]
+    losses, times, sent = [], [], []
+    for t in range(1, run.steps + 1):
+        windows = data.sample_windows(corpus.train, run.batch_per_device * n, run.context + 1, rng)
+        windows = jax.device_put(windows, split)
+        start = time.perf_counter()
+        params, previous, opt_state, loss = step(params, previous, opt_state, windows)
+        # One step in flight: several concurrent steps of XLA CPU
+        # collectives can abort (see the repository README).
+        jax.block_until_ready((params, previous, opt_state, loss))
+        times.append(time.perf_counter() - start)
+        sent.append(float(np.asarray(jaxcomm.get_stats(opt_state).bytes_sent).reshape(-1)[0]))
+        losses.append(float(loss))
+        if t % run.eval_every == 0 or t == run.steps:
+            val_steps.append(t)
+            val_losses.append(validate())
+        if progress is not None:
+            progress(t, run.steps, losses[-1])
+    return {
+        "losses": losses,
+        "val_steps": val_steps,
+        "val_losses": val_losses,
+        "val_loss": val_losses[-1],
+        "step_time_s": float(np.mean(times[1:])) if len(times) > 1 else math.nan,
+        "wall_s": time.perf_counter() - start_wall,
+        "bytes_per_step": float(np.mean(sent)),
+        "params": model.count_params(net),
+    }

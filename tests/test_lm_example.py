@@ -1,0 +1,66 @@
+"""Smoke test of the byte-level language model example (examples/lm) on a small corpus."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples" / "lm"))
+
+import data  # noqa: E402
+import main  # noqa: E402
+
+SMALL = dict(train_bytes=64 * 2**10, val_bytes=16 * 2**10)
+STEPS = 20
+
+
+def test_corpus_is_deterministic_and_split_by_file():
+    corpus, again = data.load_corpus(**SMALL), data.load_corpus(**SMALL)
+    assert np.array_equal(corpus.train, again.train) and np.array_equal(corpus.val, again.val)
+    assert (len(corpus.train), len(corpus.val)) == (SMALL["train_bytes"], SMALL["val_bytes"])
+    assert corpus.val_files and not set(corpus.train_files) & set(corpus.val_files)
+    assert all(data.is_validation(name) for name in corpus.val_files)
+    # The validation bytes are the first held-out file's own source.
+    first = pathlib.Path(data.stdlib_files()[0].parent, corpus.val_files[0]).read_bytes()
+    assert corpus.val[:100].tobytes() == first[:100]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm")
+    argv = ["--configs", "dense,bf16,db", "--seeds", "0", "--steps", str(STEPS)]
+    argv += ["--batch-per-device", "4", "--eval-every", "10", "--no-progress", "--out", str(out)]
+    argv += ["--train-bytes", str(SMALL["train_bytes"]), "--val-bytes", str(SMALL["val_bytes"])]
+    assert main.main(argv) == 0
+    result = json.loads((out / "lm.json").read_text())
+    result["rows"] = {r["config"]: r for r in result["rows"]}
+    result["png"] = out / "lm.png"
+    return result
+
+
+def test_training_lowers_validation_loss(results):
+    untrained, *_, trained = results["val_losses"]["dense"][0]
+    assert results["val_steps"]["dense"] == [0, 10, STEPS]
+    assert untrained > 5.0  # near ln(256) = 5.55: an untrained model knows nothing of bytes
+    assert trained < untrained - 1.5, results["val_losses"]["dense"]
+
+
+def test_bf16_wire_matches_dense_at_half_the_bytes(results):
+    dense, bf16 = results["val_losses"]["dense"][0], results["val_losses"]["bf16"][0]
+    assert bf16[0] == dense[0]  # same seed, same model
+    assert abs(bf16[-1] - dense[-1]) < 0.03, (bf16, dense)
+    assert results["rows"]["bf16"]["bytes_ratio"] == 0.5
+
+
+def test_double_buffering_applies_the_first_gradient_a_step_late(results):
+    dense, db = results["losses"]["dense"][0], results["losses"]["db"][0]
+    assert db[0] == dense[0]  # the same first batch at the same parameters
+    # Step 1 applies db's zero buffer, so its second loss is still untrained.
+    assert db[1] > dense[1] + 0.1, (db[:3], dense[:3])
+
+
+def test_table_and_curves_are_written(results):
+    assert results["png"].stat().st_size > 0
+    assert set(results["rows"]) == {"dense", "bf16", "db"}
