@@ -6,17 +6,17 @@ import json
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from tests import example_modules
+
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "digits"))
 
 pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in the test extra)")
 
-import main  # noqa: E402
+(main,) = example_modules.load("digits", "main")
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

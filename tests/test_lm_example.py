@@ -2,15 +2,13 @@
 
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples" / "lm"))
+from tests import example_modules
 
-import data  # noqa: E402
-import main  # noqa: E402
+data, main = example_modules.load("lm", "data", "main")
 
 SMALL = dict(train_bytes=64 * 2**10, val_bytes=16 * 2**10)
 STEPS = 20
