@@ -231,7 +231,7 @@ def powersgd(
         stats = _state.CommStats(
             payload_bytes=payload,
             bytes_sent=bound.bytes_sent(payload),
-            collectives=count,
+            collectives=jnp.int32(count),
             density=payload / dense_payload if dense_payload else jnp.float32(1),
             nonfinite=nonfinite,
         )
