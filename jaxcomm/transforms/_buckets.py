@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import jax.numpy as jnp
+import numpy as np
+
 from jaxcomm._validate import check_bucket_bytes
 
 
@@ -72,3 +75,43 @@ def plan_buckets(
     for kind in sorted(open_, key=last_added.__getitem__):
         closed.append(tuple(open_[kind][0]))
     return tuple(closed)
+
+
+def leaf_buckets(leaves, bucket_bytes: float) -> tuple[tuple[int, ...], ...]:
+    """:func:`plan_buckets` for arrays: their byte sizes, one dtype per bucket."""
+    dtypes = [np.dtype(jnp.result_type(x)) for x in leaves]
+    nbytes = [int(np.size(x)) * d.itemsize for x, d in zip(leaves, dtypes, strict=True)]
+    return plan_buckets(nbytes, bucket_bytes, kinds=dtypes)
+
+
+def buckets_payload(leaves, buckets, bound) -> int:
+    """Bytes this device puts into the collectives of `buckets` (wire dtype,
+    FP8 scales included: ``BoundReduction.payload_bytes``)."""
+    return sum(
+        bound.payload_bytes(
+            sum(int(np.size(leaves[i])) for i in b), jnp.result_type(leaves[b[0]]), parts=len(b)
+        )
+        for b in buckets
+    )
+
+
+def reduce_in_buckets(leaves, bound, bucket_bytes: float, *, scale_back: bool = False):
+    """One allreduce per bucket of the fusion plan, each bucket split back into
+    its leaves; returns (reduced leaves, payload bytes, number of collectives).
+
+    Zero-size leaves are in no bucket and come back as they are. With
+    `scale_back`, a narrow wire's mean is turned back into the sum
+    (``BoundReduction.sum_from_mean``).
+    """
+    buckets = leaf_buckets(leaves, bucket_bytes)
+    out = list(leaves)
+    for bucket in buckets:
+        red = bound.allreduce_bucket([leaves[i] for i in bucket])
+        if scale_back:
+            red = bound.sum_from_mean(red)
+        offset = 0
+        for i in bucket:
+            n = int(np.size(leaves[i]))
+            out[i] = red[offset : offset + n].reshape(jnp.shape(leaves[i]))
+            offset += n
+    return out, buckets_payload(leaves, buckets, bound), len(buckets)

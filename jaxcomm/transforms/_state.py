@@ -61,6 +61,12 @@ def empty_stats() -> CommStats:
     )
 
 
+def any_nonfinite(tree) -> jax.Array:
+    """Whether any leaf of `tree` holds an inf or NaN (False for no elements)."""
+    flags = [~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
+    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
+
+
 def get_stats(opt_state) -> CommStats:
     """The :class:`CommStats` of the (only) jaxcomm transform in ``opt_state``.
 

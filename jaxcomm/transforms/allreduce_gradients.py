@@ -11,13 +11,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomm._validate import check_bucket_bytes
 from jaxcomm.collectives import reduction
 from jaxcomm.transforms import _state
-from jaxcomm.transforms._buckets import plan_buckets
+from jaxcomm.transforms._buckets import reduce_in_buckets
 
 
 class AllReduceGradientsState(NamedTuple):
@@ -165,9 +164,9 @@ def allreduce_gradients(
         if error_feedback:
             grads = jax.tree.map(jnp.add, grads, _state.local(state.residual))
         leaves, treedef = jax.tree.flatten(grads)
-        reduced, payload, count = _reduce_in_buckets(leaves, bound, theta, scale_back)
+        reduced, payload, count = reduce_in_buckets(leaves, bound, theta, scale_back=scale_back)
         reduced = jax.tree.unflatten(treedef, reduced)
-        nonfinite = _any_nonfinite(reduced) if check_finite else jnp.bool_(False)
+        nonfinite = _state.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
         residual = state.residual
         if error_feedback:
@@ -182,7 +181,7 @@ def allreduce_gradients(
             )
         if double_buffering:
             out, buffer = state.buffer, reduced
-            nonfinite = _any_nonfinite(out) if check_finite else jnp.bool_(False)
+            nonfinite = _state.any_nonfinite(out) if check_finite else jnp.bool_(False)
         else:
             out, buffer = reduced, state.buffer
 
@@ -196,30 +195,3 @@ def allreduce_gradients(
         return out, AllReduceGradientsState(residual, buffer, stats)
 
     return optax.GradientTransformation(init, update)
-
-
-def _reduce_in_buckets(leaves, bound, theta, scale_back: bool):
-    """One allreduce per bucket of the fusion plan; returns (reduced leaves,
-    payload bytes, number of collectives)."""
-    dtypes = [np.dtype(jnp.result_type(leaf)) for leaf in leaves]
-    sizes = [int(np.size(leaf)) for leaf in leaves]
-    buckets = plan_buckets(
-        [s * d.itemsize for s, d in zip(sizes, dtypes, strict=True)], theta, kinds=dtypes
-    )
-    out = list(leaves)  # zero-size leaves are in no bucket and come back as they are
-    payload = 0
-    for bucket in buckets:
-        red = bound.allreduce_bucket([leaves[i] for i in bucket])
-        if scale_back:
-            red = bound.sum_from_mean(red)
-        payload += bound.payload_bytes(red.size, dtypes[bucket[0]], parts=len(bucket))
-        offset = 0
-        for i in bucket:
-            out[i] = red[offset : offset + sizes[i]].reshape(jnp.shape(leaves[i]))
-            offset += sizes[i]
-    return out, payload, len(buckets)
-
-
-def _any_nonfinite(tree) -> jax.Array:
-    flags = [~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if np.size(x)]
-    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)

@@ -27,7 +27,7 @@ import optax
 from jaxcomm import _validate
 from jaxcomm.collectives import reduction
 from jaxcomm.transforms import _state
-from jaxcomm.transforms._buckets import plan_buckets
+from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
 
 
 class DiLoCoState(NamedTuple):
@@ -216,7 +216,8 @@ def diloco(
             adopted = optax.apply_updates(anchor[a:b], u)
             local[a:b] = [jnp.where(due, g, x) for g, x in zip(adopted, local[a:b], strict=True)]
             outer_states.append(outer_state)
-            payload, count = _payload(anchor[a:b], bound, theta)
+            buckets = leaf_buckets(anchor[a:b], theta)
+            payload, count = buckets_payload(anchor[a:b], buckets, bound), len(buckets)
             sent.append(jnp.where(due, payload, 0.0))
             collectives.append(jnp.where(due, count, 0))
             elements.append(jnp.where(due, sum(sizes[a:b]), 0))
@@ -310,47 +311,15 @@ def _sync(operands, bound, outer, theta):
     """The outer step of one fragment: average params - local, step from params."""
     anchor, local, outer_state = operands
     delta = [g - x for g, x in zip(anchor, local, strict=True)]
-    mean = _average(delta, bound, theta)
+    mean = reduce_in_buckets(delta, bound, theta)[0]
     u, outer_state = outer.update(mean, outer_state, anchor)
-    flags = [~jnp.all(jnp.isfinite(x)) for x in mean if np.size(x)]
-    return list(u), outer_state, jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
+    return list(u), outer_state, _state.any_nonfinite(mean)
 
 
 def _skip(operands):
     """No sync: a zero update and the outer state as it is."""
     anchor, _, outer_state = operands
     return [jnp.zeros_like(x) for x in anchor], outer_state, jnp.bool_(False)
-
-
-def _average(leaves, bound, theta):
-    """The mean over devices of each leaf, one collective per bucket."""
-    out = list(leaves)  # zero-size leaves travel nowhere
-    for bucket in _buckets(leaves, theta):
-        flat = bound.allreduce_bucket([leaves[i] for i in bucket])
-        offset = 0
-        for i in bucket:
-            n = int(np.size(leaves[i]))
-            out[i] = flat[offset : offset + n].reshape(jnp.shape(leaves[i]))
-            offset += n
-    return out
-
-
-def _buckets(leaves, theta):
-    dtypes = [np.dtype(jnp.result_type(x)) for x in leaves]
-    nbytes = [int(np.size(x)) * d.itemsize for x, d in zip(leaves, dtypes, strict=True)]
-    return plan_buckets(nbytes, theta, kinds=dtypes)
-
-
-def _payload(leaves, bound, theta) -> tuple[float, int]:
-    """(bytes this device sends into a fragment's collectives, their number)."""
-    buckets = _buckets(leaves, theta)
-    payload = sum(
-        bound.payload_bytes(
-            sum(int(np.size(leaves[i])) for i in b), jnp.result_type(leaves[b[0]]), parts=len(b)
-        )
-        for b in buckets
-    )
-    return float(payload), len(buckets)
 
 
 def _check_local_grads(bound, grads) -> None:

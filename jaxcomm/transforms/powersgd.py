@@ -22,7 +22,7 @@ import optax
 from jaxcomm import _validate
 from jaxcomm.collectives import reduction
 from jaxcomm.transforms import _state
-from jaxcomm.transforms._buckets import plan_buckets
+from jaxcomm.transforms._buckets import reduce_in_buckets
 
 # PowerSGD's small products decide what is sent: keep them in full float32 on
 # every platform (a TF32 or bfloat16 pass would change the factors).
@@ -223,7 +223,7 @@ def powersgd(
             branch = jax.lax.cond(state.count < start_step, dense_step, compressed_step)
         out, new_residual, q, payload, count = branch
         out = jax.tree.unflatten(treedef, out)
-        nonfinite = _any_nonfinite(out)
+        nonfinite = _state.any_nonfinite(out)
 
         dense_payload = sum(
             bound.payload_bytes(int(np.size(x)), jnp.result_type(x)) for x in leaves
@@ -357,19 +357,11 @@ def _mean_in_buckets(leaves, indices, bound):
     """The mean of leaves[indices] in one collective per dtype; returns (all
     leaves, the reduced ones replaced; payload bytes; collectives)."""
     indices = list(indices)
-    dtypes = [np.dtype(jnp.result_type(leaves[i])) for i in indices]
-    nbytes = [int(np.size(leaves[i])) * d.itemsize for i, d in zip(indices, dtypes, strict=True)]
-    out = list(leaves)  # zero-size leaves are in no bucket and come back as they are
-    payload = 0
-    buckets = plan_buckets(nbytes, math.inf, kinds=dtypes)
-    for bucket in buckets:
-        members = [indices[j] for j in bucket]
-        flat = bound.allreduce_bucket([leaves[i] for i in members])
-        payload += bound.payload_bytes(flat.size, dtypes[bucket[0]])
-        parts = _split(flat, [jnp.shape(leaves[i]) for i in members])
-        for i, part in zip(members, parts, strict=True):
-            out[i] = part
-    return out, payload, len(buckets)
+    reduced, payload, count = reduce_in_buckets([leaves[i] for i in indices], bound, math.inf)
+    out = list(leaves)
+    for i, x in zip(indices, reduced, strict=True):
+        out[i] = x
+    return out, payload, count
 
 
 def _split(flat, shapes) -> list:
@@ -379,9 +371,3 @@ def _split(flat, shapes) -> list:
         parts.append(flat[offset : offset + n].reshape(shape))
         offset += n
     return parts
-
-
-def _any_nonfinite(tree) -> jax.Array:
-    # x * 0 is 0 for finite x and NaN otherwise, and a sum keeps a NaN.
-    flags = [~jnp.isfinite(jnp.sum(x * 0)) for x in jax.tree.leaves(tree) if np.size(x)]
-    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
