@@ -37,6 +37,19 @@ class NnxMLP(nnx.Module):
         return self.b(nnx.relu(self.a(x)))
 
 
+def _local_grads(model, x, y):
+    """This device's gradient of the model's params (typed as varying, so JAX
+    does not sum it over the devices)."""
+    mdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        logits = nnx.merge(mdef, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+    return jax.grad(loss)(local)
+
+
 def _nnx_run(reduce: str, tx_head):
     mesh = jax.make_mesh((N,), ("data",))
     model = NnxMLP(nnx.Rngs(0))
@@ -46,14 +59,7 @@ def _nnx_run(reduce: str, tx_head):
 
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
-        mdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss(p):
-            logits = nnx.merge(mdef, p, rest)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
-        grads = jax.grad(loss)(local)
+        grads = _local_grads(model, x, y)
         if reduce == "pmean":
             grads = jax.lax.pmean(grads, "data")
         optimizer.update(model, grads)
@@ -188,14 +194,7 @@ def _nnx_container_run(config: str):
 
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
-        mdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss(p):
-            logits = nnx.merge(mdef, p, rest)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
-        optimizer.update(model, jax.grad(loss)(local))
+        optimizer.update(model, _local_grads(model, x, y))
         return nnx.state((model, optimizer))
 
     run = jax.jit(
