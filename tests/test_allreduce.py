@@ -146,10 +146,15 @@ def test_reduce_over_some_axes(backend, axis):
     np.testing.assert_allclose(out.reshape(2, 4, 10), want, rtol=1e-6, atol=1e-6)
 
 
-# max_chunks bounds the xla backend's packing; ffi packs exactly what is selected.
-@pytest.mark.parametrize("backend,max_chunks", [("ffi", None), ("xla", None), ("xla", 3)])
-def test_chunk_mask(backend, max_chunks):
-    """Selected chunks are reduced; the others keep each device's own values."""
+# max_chunks: only the first that many selected chunks are reduced, on every
+# backend; without it ffi on CPU packs exactly what is selected.
+@pytest.mark.parametrize("unselected", ["local", "zero"])
+@pytest.mark.parametrize(
+    "backend,max_chunks", [("ffi", None), ("ffi", 2), ("xla", None), ("xla", 3), ("xla", 2)]
+)
+def test_chunk_mask(backend, max_chunks, unselected):
+    """Selected chunks (the first `max_chunks` of them) are reduced; the
+    others keep each device's own values, or are zero."""
     rng = np.random.default_rng(11)
     n, chunk = 8, 4
     xs = rng.standard_normal((n, 4 * chunk + 3)).astype(np.float32)  # 5 chunks, last short
@@ -162,12 +167,15 @@ def test_chunk_mask(backend, max_chunks):
             chunk_mask=jnp.asarray(mask),
             chunk_size=chunk,
             max_chunks=max_chunks,
+            unselected=unselected,
         ),
         mesh_of((n,), ("i",)),
         xs,
     )
-    selected = np.repeat(mask, chunk)[: xs.shape[1]]
-    want = np.where(selected, xs.astype(np.float64).sum(0), xs)
+    reduced = mask & (np.cumsum(mask) <= (max_chunks or mask.size))
+    selected = np.repeat(reduced, chunk)[: xs.shape[1]]
+    rest = xs if unselected == "local" else np.zeros_like(xs)
+    want = np.where(selected, xs.astype(np.float64).sum(0), rest)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     assert_replicated(out[:, selected])
 

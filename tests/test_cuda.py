@@ -182,9 +182,10 @@ def test_one_rank_allreduce_each_wire_dtype(algorithm, intra, dtype, wire):
         np.testing.assert_array_equal(_bits(y), _bits(expected))
 
 
+@pytest.mark.parametrize("max_chunks", [None, 3])
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("wire", FLOATS)
-def test_one_rank_masked_allreduce(algorithm, wire):
+def test_one_rank_masked_allreduce(algorithm, wire, max_chunks):
     n, chunk_size = 10_000, 512
     x = _random(n, np.float32, seed=5)
     mask = _mask(-(-n // chunk_size), seed=6)
@@ -199,10 +200,13 @@ def test_one_rank_masked_allreduce(algorithm, wire):
             postscale=0.5,
             chunk_mask=m,
             chunk_size=chunk_size,
+            max_chunks=max_chunks,
         )
 
     y = _one_gpu(fn, x, mask)
-    scaled = np.repeat(mask, chunk_size)[:n]
+    # The handler reduces the first max_chunks selected chunks only.
+    reduced = mask & (np.cumsum(mask) <= (max_chunks or mask.size))
+    scaled = np.repeat(reduced, chunk_size)[:n]
     np.testing.assert_array_equal(y, np.where(scaled, x * np.float32(0.5), x))
 
 

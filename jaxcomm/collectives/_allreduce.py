@@ -42,6 +42,10 @@ def allreduce(
     if chunk_mask is not None:
         chunk_mask = jnp.asarray(chunk_mask)
         nchunks = _checks.check_chunking(chunk_mask, chunk_size, flat.size, max_chunks)
+        if max_chunks is not None:
+            # Chunks selected past the bound are not reduced: from here on
+            # they are unselected (zeroed below when that is asked for).
+            chunk_mask = chunk_mask & (jnp.cumsum(chunk_mask, dtype=jnp.int32) <= max_chunks)
         if zero:
             # Zeroed before the call, so the custom call's result is the same
             # on every device and the xla path unpacks into zeros.
@@ -77,7 +81,13 @@ def allreduce(
 
     if chunk_mask is not None:
         if backend == "ffi":
-            y = ffi(flat, chunk_mask=chunk_mask, chunk_size=chunk_size, replicated=zero)
+            y = ffi(
+                flat,
+                chunk_mask=chunk_mask,
+                chunk_size=chunk_size,
+                max_chunks=max_chunks,
+                replicated=zero,
+            )
         else:
             y = _masked(flat, chunk_mask, chunk_size, nchunks, max_chunks, xla, zero=zero)
         return y.reshape(shape)

@@ -168,6 +168,15 @@ def require(platform: str | None = None) -> None:
         )
 
 
+def packs_exactly() -> bool:
+    """Whether a masked allreduce sends exactly the selected chunks. On CPU
+    the handler reads the mask in host memory; on GPU the mask stays on the
+    device and NCCL takes its sizes from the host, so the handler packs into
+    a buffer of a fixed size, `max_chunks` chunks (all without a bound),
+    rather than wait for the device to count them."""
+    return jax.default_backend() == "cpu"
+
+
 def _wire_code(wire, dtype) -> np.int32:
     return np.int32(-1 if np.dtype(wire) == np.dtype(dtype) else _DTYPE_CODES[np.dtype(wire)])
 
@@ -198,6 +207,7 @@ def allreduce(
     chunk_mask=None,
     chunk_size=1,
     intra_size=1,
+    max_chunks=None,
     replicated=False,
     in_place=False,
 ):
@@ -205,6 +215,8 @@ def allreduce(
 
     A masked result is typed replicated only when the caller zeroed the
     unselected chunks (`replicated=True`); otherwise they keep local values.
+    `max_chunks`: the first that many selected chunks are reduced (None:
+    all); see :func:`packs_exactly` for what travels.
     `in_place`: the result takes x's buffer where the handler allows it (CPU
     direct without a mask reads each block of every rank before writing it;
     the ring's peers read a rank's input while it writes).
@@ -232,6 +244,7 @@ def allreduce(
         prescale=np.float64(prescale),
         postscale=np.float64(postscale),
         chunk_size=np.int64(chunk_size),
+        max_chunks=np.int64(max_chunks or 0),
     )
 
 

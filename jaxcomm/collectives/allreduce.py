@@ -80,12 +80,14 @@ def allreduce(
       chunk_mask: optional boolean array of shape ``(ceil(x.size /
         chunk_size),)``, identical on every device. Only selected chunks of
         the flattened ``x`` are reduced; the others come back as the local
-        values. With ffi only the selected chunks travel.
+        values. With ffi on CPU only the selected chunks travel.
       chunk_size: elements per chunk for ``chunk_mask``.
-      max_chunks: xla backend with a mask: pack at most this many selected
-        chunks (a static bound, so only they travel); ``None`` reduces all
-        chunks and selects afterwards. Chunks selected beyond the bound are
-        not reduced.
+      max_chunks: with a mask, pack at most this many selected chunks (a
+        static bound, so only they travel); chunks selected beyond the bound
+        are not reduced. ``None``: the xla backend reduces all chunks and
+        selects afterwards, ffi on CPU packs exactly the selected ones, ffi
+        on GPU packs into a buffer of all chunks (the mask stays on the
+        device, and NCCL takes its sizes from the host).
       in_place: let the result reuse ``x``'s buffer: a hint for the CPU
         ffi ``"direct"`` schedule without a mask, ignored elsewhere. It
         saves writing fresh output pages when ``x`` is an intermediate, as a

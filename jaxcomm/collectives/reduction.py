@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _validate
-from jaxcomm.collectives import _allreduce, _backend, _checks, _fp8, _scales, _xla
+from jaxcomm.collectives import _allreduce, _backend, _checks, _ffi, _fp8, _scales, _xla
 from jaxcomm.collectives._axes import (
     AxisPlacement,
     bound_axes,
@@ -251,12 +251,12 @@ class BoundReduction(NamedTuple):
         sent, float32).
 
         `max_chunks` is how many chunks are usually selected: the xla backend
-        packs that many (a static bound) and reduces all chunks when more are
-        selected; ffi sends exactly the selected ones.
+        and ffi on GPU pack that many (a static bound) and reduce all chunks
+        when more are selected; ffi on CPU sends exactly the selected ones.
         """
         size, nchunks, chunk_size = x.size, mask.shape[0], self.reduction.chunk_size
         itemsize = self.scales(x.dtype)[0].itemsize
-        if self.backend == "ffi":
+        if self.backend == "ffi" and _ffi.packs_exactly():
             lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
             payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
             return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload

@@ -3,6 +3,7 @@
 // (cuda/collective.cc) and NcclTransport, compiled against the host device and
 // loopback NCCL of xla_ffi/host_device/ (JAXCOMM_HOST_DEVICE). Every result is
 // checked against a sum computed here; faults come from the loopback NCCL.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -244,7 +245,7 @@ struct AllReduceArgs {
   int64_t op_id;
   int32_t algorithm = 0, nranks = kRanks, intra_size = 1, wire_dtype = -1;
   double prescale = 1.0, postscale = 1.0;
-  int64_t chunk_size = 0;
+  int64_t chunk_size = 0, max_chunks = 0;
 };
 
 std::string CallAllReduce(HostContext& hc, float* x, float* y, int64_t n, int32_t* coords,
@@ -258,6 +259,7 @@ std::string CallAllReduce(HostContext& hc, float* x, float* y, int64_t n, int32_
       {{"algorithm", XLA_FFI_DataType_S32, &a.algorithm},
        {"chunk_size", XLA_FFI_DataType_S64, &a.chunk_size},
        {"intra_size", XLA_FFI_DataType_S32, &a.intra_size},
+       {"max_chunks", XLA_FFI_DataType_S64, &a.max_chunks},
        {"nranks", XLA_FFI_DataType_S32, &a.nranks},
        {"op_id", XLA_FFI_DataType_S64, &a.op_id},
        {"postscale", XLA_FFI_DataType_F64, &a.postscale},
@@ -325,7 +327,10 @@ void CheckScatterGatherHandlers(int64_t op_id) {
 }
 
 // The allreduce handler with a chunk mask on 8 host ranks: only the
-// selected chunks are summed, the others keep each rank's own values.
+// selected chunks are summed, the first `max_chunks` of them when that is
+// set; the others keep each rank's own values. Past the first call of a
+// site (which reads the rank once), a masked call never waits for the
+// device: the mask stays there.
 void CheckMaskedHandler(int64_t op_id) {
   constexpr int64_t n = 100, chunk = 16, nchunks = (n + chunk - 1) / chunk;
   bool mask[nchunks] = {true, false, false, true, true, false, true};  // last chunk short
@@ -333,26 +338,38 @@ void CheckMaskedHandler(int64_t op_id) {
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       HostContext hc{host::NewStream(), 70 + r};
-      std::vector<float> x(n), y(n, -1000.0f);
+      std::vector<float> x(n);
       for (int64_t i = 0; i < n; ++i) x[i] = Value(r, i);
       int32_t coords[2] = {0, r};
-      AllReduceArgs a{op_id};
-      a.chunk_size = chunk;
-      const std::string err = CallAllReduce(hc, x.data(), y.data(), n, coords, mask, nchunks, a);
-      cudaStreamSynchronize(hc.stream);
-      host::DeleteStream(hc.stream);
-      CHECK(err.empty());
-      if (!err.empty()) std::cout << "masked handler: " << err << "\n";
-      int wrong = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        float want = x[i];
-        if (mask[i / chunk]) {
-          want = 0;
-          for (int q = 0; q < kRanks; ++q) want += Value(q, i);
+      // max_chunks 0 (all), 2 (chunks 0 and 3 only), 9 (more than there are).
+      for (int64_t max_chunks : {0, 2, 9}) {
+        std::vector<float> y(n, -1000.0f);
+        AllReduceArgs a{op_id};
+        a.chunk_size = chunk;
+        a.max_chunks = max_chunks;
+        const int waits = host::HostWaits();
+        const std::string err = CallAllReduce(hc, x.data(), y.data(), n, coords, mask, nchunks, a);
+        const int waited = host::HostWaits() - waits;
+        cudaStreamSynchronize(hc.stream);
+        CHECK(err.empty());
+        if (!err.empty()) std::cout << "masked handler: " << err << "\n";
+        CHECK(max_chunks == 0 || waited == 0);
+        int wrong = 0, reduced = 0;
+        for (int64_t c = 0; c < nchunks; ++c) {
+          const bool sum = mask[c] && (max_chunks == 0 || reduced < max_chunks);
+          reduced += sum ? 1 : 0;
+          for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
+            float want = x[i];
+            if (sum) {
+              want = 0;
+              for (int q = 0; q < kRanks; ++q) want += Value(q, i);
+            }
+            wrong += y[i] != want;
+          }
         }
-        wrong += y[i] != want;
+        CHECK(wrong == 0);
       }
-      CHECK(wrong == 0);
+      host::DeleteStream(hc.stream);
     });
   }
   for (auto& t : threads) t.join();
@@ -387,6 +404,10 @@ void CheckHandlerErrors(int64_t op_id) {
   wrong_mask.chunk_size = 2;
   CHECK(call(wrong_mask, 2).find("chunk mask has 2 entries but the input has 4 chunks") !=
         std::string::npos);
+  AllReduceArgs negative_bound{op_id};
+  negative_bound.chunk_size = 4;
+  negative_bound.max_chunks = -1;
+  CHECK(call(negative_bound, 2).find("jaxcomm allreduce: max_chunks < 0") != std::string::npos);
   host::DeleteStream(hc.stream);
 }
 

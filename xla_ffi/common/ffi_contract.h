@@ -3,6 +3,7 @@
 // argument checks (one message per mistake, whichever platform sees it).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -91,12 +92,14 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
 }
 
 // What an allreduce call must satisfy before any rank communicates. Fills
-// `spec`'s types and scales and `nchunks` (0 without a mask: every element).
+// `spec`'s types and scales, `nchunks` (0 without a mask: every element) and
+// `slots`: how many selected chunks are packed, the first `max_chunks` of
+// them (all for 0); chunks selected beyond that are not reduced.
 inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& coords,
                                  const ffi::Buffer<ffi::PRED>& mask, const ffi::AnyBuffer& y,
                                  int32_t algorithm, int32_t wire_dtype, double prescale,
-                                 double postscale, int64_t chunk_size, ReduceSpec* spec,
-                                 int64_t* nchunks) {
+                                 double postscale, int64_t chunk_size, int64_t max_chunks,
+                                 ReduceSpec* spec, int64_t* nchunks, int64_t* slots) {
   const std::string op = "allreduce";
   if (auto err = DecodeReduction(op, x, coords, wire_dtype, prescale, postscale, spec);
       !err.success()) {
@@ -108,14 +111,16 @@ inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
     return Invalid(op, "output must have x's dtype and size");
   }
-  *nchunks = 0;
+  *nchunks = *slots = 0;
   if (mask.element_count() == 0) return ffi::Error::Success();
   if (chunk_size <= 0) return Invalid(op, "chunk_size <= 0");
+  if (max_chunks < 0) return Invalid(op, "max_chunks < 0");
   *nchunks = (static_cast<int64_t>(x.element_count()) + chunk_size - 1) / chunk_size;
   if (static_cast<int64_t>(mask.element_count()) != *nchunks) {
     return Invalid(op, "chunk mask has " + std::to_string(mask.element_count()) +
                            " entries but the input has " + std::to_string(*nchunks) + " chunks");
   }
+  *slots = max_chunks == 0 ? *nchunks : std::min(max_chunks, *nchunks);
   return ffi::Error::Success();
 }
 

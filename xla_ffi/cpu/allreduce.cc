@@ -38,10 +38,11 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
 
 namespace {
 
-// The chunks a mask selects, as [begin, end) element ranges.
-std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n) {
+// The first `slots` chunks a mask selects, as [begin, end) element ranges.
+std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n,
+                                  size_t slots) {
   std::vector<Range> ranges;
-  for (size_t c = 0; c < nchunks; ++c) {
+  for (size_t c = 0; c < nchunks && ranges.size() < slots; ++c) {
     if (mask[c]) ranges.push_back({c * chunk_size, std::min(n, (c + 1) * chunk_size)});
   }
   return ranges;
@@ -107,11 +108,11 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                           ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
                           int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                          double postscale, int64_t chunk_size) {
+                          double postscale, int64_t chunk_size, int64_t max_chunks) {
   ReduceSpec spec;
-  int64_t nchunks = 0;
+  int64_t nchunks = 0, slots = 0;
   if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, &spec, &nchunks);
+                                chunk_size, max_chunks, &spec, &nchunks, &slots);
       !err.success()) {
     return CompletedFuture(err);
   }
@@ -119,7 +120,8 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   const size_t isz = SizeOf(spec.input);
   const bool masked = nchunks > 0;
   const std::vector<Range> chunks =
-      masked ? SelectedChunks(mask.typed_data(), nchunks, chunk_size, n) : std::vector<Range>();
+      masked ? SelectedChunks(mask.typed_data(), nchunks, chunk_size, n, slots)
+             : std::vector<Range>();
   size_t packed = 0;
   for (const Range& c : chunks) packed += c.size();
 

@@ -3,7 +3,7 @@
 // ncclAllReduce for "direct" without a wire cast; optionally restricted to
 // the chunks a mask selects (pack, reduce, unpack in one call).
 
-#include <vector>
+#include <algorithm>
 
 #include "common/ffi_bindings.h"
 #include "common/ffi_contract.h"
@@ -17,31 +17,16 @@
 namespace jaxcomm::cuda {
 namespace {
 
-// Elements the selected chunks hold. Needs the mask on the host: the NCCL
-// calls take their sizes from the host, so a masked call synchronizes.
-Status PackedCount(cudaStream_t stream, const bool* mask, int64_t nchunks, int64_t chunk_size,
-                   size_t n, size_t* packed) {
-  std::vector<char> host(nchunks);
-  JAXCOMM_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host.data(), mask, nchunks, cudaMemcpyDeviceToHost, stream));
-  JAXCOMM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  *packed = 0;
-  for (int64_t c = 0; c < nchunks; ++c) {
-    if (host[c]) *packed += std::min<size_t>(n, (c + 1) * chunk_size) - c * chunk_size;
-  }
-  return Status::Ok();
-}
-
 ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                          ffi::Result<ffi::AnyBuffer> y, int32_t algorithm, int32_t intra_size,
                          int32_t wire_dtype, double prescale, double postscale, int64_t chunk_size,
-                         const CommRunner& run) {
+                         int64_t max_chunks, const CommRunner& run) {
   Scratch scratch(ctx);  // freed when the handler returns
   ReduceSpec spec;
-  int64_t nchunks = 0;
+  int64_t nchunks = 0, slots = 0;
   if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, &spec, &nchunks);
+                                chunk_size, max_chunks, &spec, &nchunks, &slots);
       !err.success()) {
     return err;
   }
@@ -56,22 +41,26 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
       return ReduceContiguous(set, k, stream, scratch, algo, intra_size, spec, in, out, n);
     }
     // Only the selected chunks travel; the others keep the local values.
+    // NCCL takes its sizes from the host and the mask lives on the device,
+    // so the packed buffer has a fixed size, `slots` chunks, zero-padded
+    // past the selected ones: nothing waits for the device to count them.
     const bool* selected = mask.typed_data();
-    size_t packed = 0;
-    JAXCOMM_RETURN_IF_ERROR(PackedCount(stream, selected, nchunks, chunk_size, n, &packed));
+    const size_t packed = std::min(n, static_cast<size_t>(slots * chunk_size));
     k.Convert(out, spec.input, in, spec.input, n, 1.0);
-    if (packed == 0) return Status::Ok();
     void *offsets, *packed_in, *packed_out;
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate((nchunks + 1) * sizeof(int32_t), &offsets));
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(packed * isz, &packed_in));
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(packed * isz, &packed_out));
     auto* chunk_offsets = static_cast<int32_t*>(offsets);
     JAXCOMM_RETURN_IF_ERROR(LaunchChunkOffsets(stream, selected, nchunks, chunk_offsets));
-    JAXCOMM_RETURN_IF_ERROR(
-        LaunchPackChunks(stream, in, n, isz, selected, chunk_offsets, chunk_size, packed_in));
+    JAXCOMM_RETURN_IF_ERROR(LaunchPackChunks(stream, in, n, isz, selected, chunk_offsets,
+                                             chunk_size, slots, packed_in));
+    JAXCOMM_RETURN_IF_ERROR(LaunchZeroPackedTail(stream, selected, chunk_offsets, nchunks,
+                                                 chunk_size, n, packed, isz, packed_in));
     JAXCOMM_RETURN_IF_ERROR(ReduceContiguous(set, k, stream, scratch, algo, intra_size, spec,
                                              packed_in, packed_out, packed));
-    return LaunchUnpackChunks(stream, packed_out, n, isz, selected, chunk_offsets, chunk_size, out);
+    return LaunchUnpackChunks(stream, packed_out, n, isz, selected, chunk_offsets, chunk_size,
+                              slots, out);
   });
   return ToError(st);
 }
@@ -81,9 +70,9 @@ ffi::Error AllReduceOwn(cudaStream_t stream, int32_t device, ffi::Context ctx, f
                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
                         int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                        double postscale, int64_t chunk_size) {
+                        double postscale, int64_t chunk_size, int64_t max_chunks) {
   return AllReduceImpl(stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale,
-                       postscale, chunk_size, [&](const CollectiveBody& body) {
+                       postscale, chunk_size, max_chunks, [&](const CollectiveBody& body) {
                          return RunOnOwnComms(stream, device, coords.typed_data(), op_id, nranks,
                                               body);
                        });
@@ -95,13 +84,13 @@ ffi::Error AllReduceXla(cudaStream_t stream, int32_t device, ffi::Context ctx, X
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> group_ids,
                         int32_t algorithm, int32_t nranks, int32_t intra_size, int32_t wire_dtype,
-                        double prescale, double postscale, int64_t chunk_size) {
+                        double prescale, double postscale, int64_t chunk_size, int64_t max_chunks) {
   Groups groups;
   if (Status st = GroupsFromFlat(group_ids.begin(), group_ids.size(), nranks, &groups); !st.ok()) {
     return ToError(st);
   }
   return AllReduceImpl(stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale,
-                       postscale, chunk_size, [&](const CollectiveBody& body) {
+                       postscale, chunk_size, max_chunks, [&](const CollectiveBody& body) {
                          return RunOnXlaComms(stream, device, comms, groups, coords.typed_data(),
                                               nranks, body);
                        });

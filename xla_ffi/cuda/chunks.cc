@@ -57,10 +57,10 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x,
   Status st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
   if (st.ok()) {
     st = LaunchPackChunks(stream, x.untyped_data(), n, isz, mask.typed_data(), offsets, chunk_size,
-                          y->untyped_data());
+                          nchunks, y->untyped_data());
   }
   if (st.ok()) {
-    st = LaunchZeroPackedTail(stream, mask.typed_data(), offsets, nchunks, chunk_size, n, isz,
+    st = LaunchZeroPackedTail(stream, mask.typed_data(), offsets, nchunks, chunk_size, n, n, isz,
                               y->untyped_data());
   }
   return ToError(st);
@@ -89,7 +89,7 @@ ffi::Error UnpackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer pack
   if (st.ok()) st = Offsets(stream, scratch, mask.typed_data(), nchunks, &offsets);
   if (st.ok()) {
     st = LaunchUnpackChunks(stream, packed.untyped_data(), n, isz, mask.typed_data(), offsets,
-                            chunk_size, y->untyped_data());
+                            chunk_size, nchunks, y->untyped_data());
   }
   return ToError(st);
 }

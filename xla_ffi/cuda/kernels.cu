@@ -184,10 +184,10 @@ __global__ void __launch_bounds__(kScanThreads)
 // block, and a block of an unselected chunk exits before touching memory.
 template <typename T, bool kPack>
 __global__ void ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask,
-                                const int32_t* offsets, int64_t chunk_size,
+                                const int32_t* offsets, int64_t chunk_size, int64_t slots,
                                 int64_t tiles_per_chunk) {
   const int64_t c = blockIdx.x / tiles_per_chunk;
-  if (!mask[c]) return;
+  if (!mask[c] || offsets[c] >= slots) return;
   const int64_t tile = blockIdx.x % tiles_per_chunk;
   const size_t chunk_begin = static_cast<size_t>(c) * chunk_size;
   const size_t packed_begin = static_cast<size_t>(offsets[c]) * chunk_size;
@@ -207,7 +207,8 @@ __global__ void ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask
 
 template <bool kPack>
 Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n, size_t elem_bytes,
-                       const bool* mask, const int32_t* offsets, int64_t chunk_size) {
+                       const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                       int64_t slots) {
   if (n == 0) return Status::Ok();
   const int64_t nchunks = (n + chunk_size - 1) / chunk_size;
   const int64_t tiles = (chunk_size + kTile - 1) / kTile;
@@ -220,17 +221,17 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
     case 2:
       ChunkCopyKernel<uint16_t, kPack><<<grid, kThreads, 0, stream>>>(
           static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), n, mask, offsets,
-          chunk_size, tiles);
+          chunk_size, slots, tiles);
       break;
     case 4:
       ChunkCopyKernel<uint32_t, kPack><<<grid, kThreads, 0, stream>>>(
           static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), n, mask, offsets,
-          chunk_size, tiles);
+          chunk_size, slots, tiles);
       break;
     case 8:
       ChunkCopyKernel<uint64_t, kPack><<<grid, kThreads, 0, stream>>>(
           static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), n, mask, offsets,
-          chunk_size, tiles);
+          chunk_size, slots, tiles);
       break;
     default:
       return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
@@ -239,16 +240,16 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
 }
 
 // Whole elements (2, 4 or 8 bytes a store, every store aligned), from the
-// packed length the device computed to n.
+// packed length the device computed to `size`.
 template <typename T>
 __global__ void ZeroPackedTailKernel(const bool* mask, const int32_t* offsets, int64_t nchunks,
-                                     int64_t chunk_size, size_t n, T* packed) {
+                                     int64_t chunk_size, size_t n, size_t size, T* packed) {
   // A short last chunk that is selected ends the packed data early.
   const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
   const size_t packed_elems =
       static_cast<size_t>(offsets[nchunks]) * chunk_size - (mask[nchunks - 1] ? short_by : 0);
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
-  for (size_t i = packed_elems + static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+  for (size_t i = packed_elems + static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < size;
        i += stride) {
     packed[i] = T(0);
   }
@@ -256,13 +257,15 @@ __global__ void ZeroPackedTailKernel(const bool* mask, const int32_t* offsets, i
 
 template <typename T>
 cudaError_t ZeroPackedTailTyped(cudaStream_t stream, const bool* mask, const int32_t* offsets,
-                                int64_t nchunks, int64_t chunk_size, size_t n, void* packed) {
-  // The tail's length is only known on the device: a grid sized for all n
-  // elements (at most 1024 blocks, enough to fill the GPU) strides over it.
+                                int64_t nchunks, int64_t chunk_size, size_t n, size_t size,
+                                void* packed) {
+  // The tail's length is only known on the device: a grid sized for all
+  // `size` elements (at most 1024 blocks, enough to fill the GPU) strides
+  // over it.
   const unsigned grid =
-      static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024));
+      static_cast<unsigned>(std::min<size_t>((size + kThreads - 1) / kThreads, 1024));
   ZeroPackedTailKernel<T><<<grid, kThreads, 0, stream>>>(mask, offsets, nchunks, chunk_size, n,
-                                                         static_cast<T*>(packed));
+                                                         size, static_cast<T*>(packed));
   return cudaGetLastError();
 }
 
@@ -404,25 +407,28 @@ Status LaunchChunkOffsets(cudaStream_t stream, const bool* mask, int64_t nchunks
 }
 
 Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t elem_bytes,
-                        const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                        const bool* mask, const int32_t* offsets, int64_t chunk_size, int64_t slots,
                         void* packed) {
-  return LaunchChunkCopy<true>(stream, x, packed, n, elem_bytes, mask, offsets, chunk_size);
+  return LaunchChunkCopy<true>(stream, x, packed, n, elem_bytes, mask, offsets, chunk_size, slots);
 }
 
 Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t* offsets,
-                            int64_t nchunks, int64_t chunk_size, size_t n, size_t elem_bytes,
-                            void* packed) {
-  if (n == 0) return Status::Ok();
+                            int64_t nchunks, int64_t chunk_size, size_t n, size_t size,
+                            size_t elem_bytes, void* packed) {
+  if (size == 0) return Status::Ok();
   cudaError_t err;
   switch (elem_bytes) {
     case 2:
-      err = ZeroPackedTailTyped<uint16_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      err = ZeroPackedTailTyped<uint16_t>(stream, mask, offsets, nchunks, chunk_size, n, size,
+                                          packed);
       break;
     case 4:
-      err = ZeroPackedTailTyped<uint32_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      err = ZeroPackedTailTyped<uint32_t>(stream, mask, offsets, nchunks, chunk_size, n, size,
+                                          packed);
       break;
     case 8:
-      err = ZeroPackedTailTyped<uint64_t>(stream, mask, offsets, nchunks, chunk_size, n, packed);
+      err = ZeroPackedTailTyped<uint64_t>(stream, mask, offsets, nchunks, chunk_size, n, size,
+                                          packed);
       break;
     default:
       return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
@@ -431,8 +437,9 @@ Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t
 }
 
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,
-                          const bool* mask, const int32_t* offsets, int64_t chunk_size, void* y) {
-  return LaunchChunkCopy<false>(stream, packed, y, n, elem_bytes, mask, offsets, chunk_size);
+                          const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                          int64_t slots, void* y) {
+  return LaunchChunkCopy<false>(stream, packed, y, n, elem_bytes, mask, offsets, chunk_size, slots);
 }
 
 Status LaunchChunkL1Norms(cudaStream_t stream, const void* x, DType type, size_t n,

@@ -35,22 +35,25 @@ class CudaKernels final : public Kernels {
 // one entry per chunk (32K elements), so nchunks is small.
 Status LaunchChunkOffsets(cudaStream_t stream, const bool* mask, int64_t nchunks, int32_t* offsets);
 
-// packed[offsets[c] * chunk_size + j] = x[c * chunk_size + j] for selected c.
-// Only the last chunk can be short, and it is packed last, so the packed
-// buffer is dense.
+// packed[offsets[c] * chunk_size + j] = x[c * chunk_size + j] for selected c
+// with offsets[c] < slots (the packed buffer holds `slots` chunks; later
+// selected ones are left out). Only the last chunk can be short, and it is
+// packed last, so the packed data is dense.
 Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t elem_bytes,
-                        const bool* mask, const int32_t* offsets, int64_t chunk_size, void* packed);
+                        const bool* mask, const int32_t* offsets, int64_t chunk_size, int64_t slots,
+                        void* packed);
 
-// packed[k] = 0 for k at or past the packed length, which the kernel reads
-// from offsets on the device: no host round trip.
+// packed[k] = 0 for k in [packed length, size), the packed length read from
+// offsets on the device: no host round trip.
 Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t* offsets,
-                            int64_t nchunks, int64_t chunk_size, size_t n, size_t elem_bytes,
-                            void* packed);
+                            int64_t nchunks, int64_t chunk_size, size_t n, size_t size,
+                            size_t elem_bytes, void* packed);
 
-// The inverse of LaunchPackChunks: selected chunks of y come from packed;
-// unselected ones are left as they are.
+// The inverse of LaunchPackChunks: selected chunks of y with offsets[c] <
+// slots come from packed; the others are left as they are.
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,
-                          const bool* mask, const int32_t* offsets, int64_t chunk_size, void* y);
+                          const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                          int64_t slots, void* y);
 
 // norms[c] = sum_j |x[c * chunk_size + j]|, accumulated in float32 (float64
 // for float64 input) and stored as float32.

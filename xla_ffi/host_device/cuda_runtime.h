@@ -52,4 +52,8 @@ cudaStream_t NewStream();
 void DeleteStream(cudaStream_t stream);
 void Enqueue(cudaStream_t stream, std::function<void()> work);
 
+// How often this thread has waited for a stream (cudaStreamSynchronize):
+// a handler that waits stalls XLA's launches behind it.
+int HostWaits();
+
 }  // namespace jaxcomm::host_device

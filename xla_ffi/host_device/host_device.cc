@@ -88,6 +88,9 @@ cudaStream_t NewStream() { return new Stream(); }
 void DeleteStream(cudaStream_t stream) { delete stream; }
 void Enqueue(cudaStream_t stream, std::function<void()> work) { stream->Enqueue(std::move(work)); }
 
+thread_local int host_waits = 0;
+int HostWaits() { return host_waits; }
+
 // ---- NCCL ----
 
 Faults& InjectedFaults() {
@@ -285,6 +288,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (stream == nullptr) return cudaErrorInvalidValue;
+  ++jaxcomm::host_device::host_waits;
   stream->Synchronize();
   return cudaSuccess;
 }

@@ -3,6 +3,9 @@
 // kernels.cu follows cpu/cpu_kernels.cc bit for bit).
 #include "cuda/kernels.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "cpu/cpu_kernels.h"
 
 namespace jaxcomm::cuda {
@@ -45,12 +48,12 @@ Status LaunchChunkOffsets(cudaStream_t stream, const bool* mask, int64_t nchunks
 }
 
 Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t elem_bytes,
-                        const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                        const bool* mask, const int32_t* offsets, int64_t chunk_size, int64_t slots,
                         void* packed) {
   host_device::Enqueue(stream, [=] {
     const size_t nchunks = (n + chunk_size - 1) / chunk_size;
     for (size_t c = 0; c < nchunks; ++c) {
-      if (!mask[c]) continue;
+      if (!mask[c] || offsets[c] >= slots) continue;
       const size_t begin = c * chunk_size, len = std::min<size_t>(chunk_size, n - begin);
       std::memcpy(static_cast<char*>(packed) + offsets[c] * chunk_size * elem_bytes,
                   static_cast<const char*>(x) + begin * elem_bytes, len * elem_bytes);
@@ -59,12 +62,27 @@ Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t ele
   return Status::Ok();
 }
 
+Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t* offsets,
+                            int64_t nchunks, int64_t chunk_size, size_t n, size_t size,
+                            size_t elem_bytes, void* packed) {
+  host_device::Enqueue(stream, [=] {
+    const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
+    const size_t end = static_cast<size_t>(offsets[nchunks]) * chunk_size -
+                       (nchunks > 0 && mask[nchunks - 1] ? short_by : 0);
+    if (end < size) {
+      std::memset(static_cast<char*>(packed) + end * elem_bytes, 0, (size - end) * elem_bytes);
+    }
+  });
+  return Status::Ok();
+}
+
 Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, size_t elem_bytes,
-                          const bool* mask, const int32_t* offsets, int64_t chunk_size, void* y) {
+                          const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                          int64_t slots, void* y) {
   host_device::Enqueue(stream, [=] {
     const size_t nchunks = (n + chunk_size - 1) / chunk_size;
     for (size_t c = 0; c < nchunks; ++c) {
-      if (!mask[c]) continue;
+      if (!mask[c] || offsets[c] >= slots) continue;
       const size_t begin = c * chunk_size, len = std::min<size_t>(chunk_size, n - begin);
       std::memcpy(static_cast<char*>(y) + begin * elem_bytes,
                   static_cast<const char*>(packed) + offsets[c] * chunk_size * elem_bytes,
