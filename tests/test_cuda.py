@@ -268,6 +268,7 @@ def test_bad_algorithm_code_is_an_error_not_a_crash():
             prescale=np.float64(1),
             postscale=np.float64(1),
             chunk_size=np.int64(1),
+            max_chunks=np.int64(0),
         )
 
     with pytest.raises(Exception, match="unknown algorithm code 7"):
@@ -291,6 +292,7 @@ def test_allreduce_output_unlike_input_is_an_error():
             prescale=np.float64(1),
             postscale=np.float64(1),
             chunk_size=np.int64(1),
+            max_chunks=np.int64(0),
         )
 
     with pytest.raises(Exception, match="output must have x's dtype and size"):

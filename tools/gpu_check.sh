@@ -5,7 +5,8 @@
 # Flax/optax training step with backend="ffi" against backend="xla") and the
 # host-side CUDA tests, a smoke subset of the CPU suite (which a GPU machine
 # runs on its 8 forced host devices, -m "not gpu"), then bench/kernels.py
-# (kernel bandwidth, ffi allreduce against lax.psum); where this jaxlib lends
+# (kernel bandwidth, ffi allreduce against lax.psum) and tools/nccl_group_probe.cc
+# (the host's cost of an NCCL group); where this jaxlib lends
 # handlers XLA's NCCL communicators, the GPU tests once more on a build forced
 # onto jaxcomm's own (the path jaxlib 0.10 takes).
 #
@@ -90,6 +91,12 @@ step cpu_tests 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m "not
 
 step kernels 240 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
 
+# What a send/recv group costs the host on a non-blocking NCCL communicator
+# (jaxcomm's own are) against a blocking one: tools/nccl_group_probe.cc.
+step nccl_groups 120 sh -c "nccl=\$($py -c 'import importlib.util as u; print(list(u.find_spec(\"nvidia.nccl\").submodule_search_locations)[0])') && \
+  \${CUDACXX:-nvcc} -x c++ -std=c++17 -O2 -I\$nccl/include tools/nccl_group_probe.cc -o '$out/nccl_group_probe' \
+    -L\$nccl/lib -l:libnccl.so.2 -Xlinker -rpath=\$nccl/lib && '$out/nccl_group_probe'"
+
 # The GPU tests again on jaxcomm's own NCCL communicators, the path a jaxlib
 # without XLA's collectives extension (0.10) takes; then the default build
 # back. Skipped where this jaxlib has no extension (the tests above ran it).
@@ -159,6 +166,7 @@ summary = {
     "tests_own_comms": tests("test_gpu_own_comms.xml"),
     "cpu_tests": tests("test_cpu.xml"),
     "kernels": kernels(),
+    "nccl_groups": read("nccl_groups").strip().splitlines()[-1:],
 }
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
