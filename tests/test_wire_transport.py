@@ -266,3 +266,29 @@ def test_backend_ffi_on_gpu_warns_that_it_is_unverified(monkeypatch):
     with pytest.warns(UserWarning, match="across GPUs or processes has never run"):
         assert _backend.resolve_backend("ffi") == "ffi"
     _backend._warn_gpu_unverified.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "version,platform,processes,warns",
+    [("0.10.2", "cpu", 2, True), ("0.12.0", "cpu", 2, False), ("0.10.2", "cpu", 1, False),
+     ("0.10.2", "gpu", 2, False)],
+)  # fmt: skip
+def test_hierarchical_xla_across_cpu_processes_warns_on_older_jaxlib(
+    monkeypatch, version, platform, processes, warns
+):
+    import warnings
+
+    import jaxlib
+
+    from jaxcomm.collectives import _backend
+
+    monkeypatch.setattr(jaxlib, "__version__", version)
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    _backend._warn_hierarchical_wrong_results.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _backend.resolve_algorithm("hierarchical", "xla", ("node", "local"))
+    _backend._warn_hierarchical_wrong_results.cache_clear()
+    assert got == "hierarchical"
+    assert any("sometimes" in str(w.message) for w in seen) == warns

@@ -88,4 +88,25 @@ def resolve_algorithm(
             # ring sends 16 bits and adds in float32 (bench/network.py).
             return "ring"
         return "psum"  # XLA picks its own all-reduce algorithm
+    if algorithm == "hierarchical" and backend == "xla" and jax.process_count() > 1:
+        if jax.default_backend() == "cpu" and _jaxlib_version() < (0, 12):
+            _warn_hierarchical_wrong_results()
     return algorithm
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    import jaxlib
+
+    return tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
+
+
+@functools.cache
+def _warn_hierarchical_wrong_results() -> None:
+    warnings.warn(
+        "algorithm='hierarchical' with backend='xla' across processes on CPU: with jaxlib "
+        "0.10.2 the psum_scatter, psum and all_gather it runs (plain JAX, gloo) sometimes "
+        "return a block of wrong values; none were seen with jaxlib 0.12. Use 'auto' or "
+        "'ring' here, or a newer jaxlib (docs/faults.md).",
+        UserWarning,
+        stacklevel=4,
+    )
