@@ -162,6 +162,10 @@ CONFIGS = {
     "sparse-adamw": lambda: jaxcomm.chunk_sparse(
         optax.adamw(1e-2), "data", density=0.25, chunk_size=16, warmup_steps=2
     ),
+    "powersgd": lambda: jaxcomm.powersgd("data", rank=1, start_step=2),
+    "float8-ef": lambda: jaxcomm.allreduce_gradients(
+        "data", wire_dtype=jnp.float8_e4m3fn, error_feedback=True
+    ),
 }
 EXACT = {"dense", "buckets"}
 
@@ -303,3 +307,101 @@ def test_linen_train_state_with_every_option_in_shard_map(config):
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(exact), strict=True):
             np.testing.assert_allclose(a, b[0], rtol=1e-5, atol=1e-6)
     assert int(stats.collectives) >= 1
+
+
+# DiLoCo under nnx.Optimizer: the model holds the global params (replicated),
+# the state each device's own params and inner state (PerDevice rows, which
+# state_specs must find by name in NNX state), and the gradient is taken at
+# this device's params, read with local_params(..., like=params).
+def _diloco():
+    return jaxcomm.diloco(
+        optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), "data", sync_every=4
+    )
+
+
+def test_nnx_optimizer_with_diloco_matches_plain_optax():
+    mesh = jax.make_mesh((N,), ("data",))
+    model = NnxMLP(nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        optimizer = nnx.Optimizer(model, _diloco(), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    specs = jaxcomm.state_specs(state, "data")
+    row_specs = {
+        jax.tree_util.keystr(path): spec
+        for path, spec in jax.tree_util.tree_leaves_with_path(
+            specs, is_leaf=lambda s: isinstance(s, P)
+        )
+    }
+    local = [k for k in row_specs if "'local'" in k or "'inner'" in k]
+    assert local and all(row_specs[k] == P("data") for k in local)
+    assert all(v == P() for k, v in row_specs.items() if k not in local)
+
+    def loss(mdef, p, rest, x, y):
+        logits = nnx.merge(mdef, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+        here = jaxcomm.local_params(optimizer.opt_state, like=params)
+        optimizer.update(model, jax.grad(lambda p: loss(mdef, p, rest, x, y))(here))
+        return nnx.state((model, optimizer))
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs)
+    )
+    state = _put(state, specs, mesh)
+    for x, y in _batches(mesh):
+        state = jax.block_until_ready(run(state, x, y))
+    model, optimizer = nnx.merge(graphdef, state)
+    ours = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    # The same transform on pure pytrees, as docs/diloco.md writes the step.
+    mdef, param_state, rest = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param, ...)
+    params = nnx.to_pure_dict(param_state)
+    tx = _diloco()
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+    opt_specs = jaxcomm.state_specs(opt_state, "data")
+
+    def pure_loss(p, x, y):
+        state = jax.tree.map(lambda v: v, param_state)
+        nnx.replace_by_pure_dict(state, p)
+        return loss(mdef, state, rest, x, y)
+
+    def pure_step(params, opt_state, x, y):
+        grads = jax.grad(pure_loss)(jaxcomm.local_params(opt_state), x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    pure_run = jax.jit(
+        jax.shard_map(
+            pure_step,
+            mesh=mesh,
+            in_specs=(P(), opt_specs, P("data"), P("data")),
+            out_specs=(P(), opt_specs),
+        )
+    )
+    opt_state = _put(opt_state, opt_specs, mesh)
+    for x, y in _batches(mesh):
+        params, opt_state = jax.block_until_ready(pure_run(params, opt_state, x, y))
+    want = jax.tree.map(np.asarray, params)
+    init = jax.tree.map(np.asarray, nnx.to_pure_dict(param_state))
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, init)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert np.abs(a - c).max() > 1e-3  # STEPS = 6 > sync_every: the outer step moved them
+    # Two steps past the last sync, every device's own params differ.
+    rows = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(optimizer)["opt_state"]["local"]))
+    assert all(r.shape[0] == N and np.abs(r - r[:1]).max() > 0 for r in rows)
+
+
+def test_local_params_like_names_a_mismatched_leaf():
+    tx = _diloco()
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        state = tx.init({"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)})
+    row = state  # one device: one row, as inside shard_map
+    with pytest.raises(ValueError, match=r"like\['w'\] has shape \(3, 2\)"):
+        jaxcomm.local_params(row, like={"w": jnp.zeros((3, 2)), "b": jnp.zeros(3)})
+    with pytest.raises(ValueError, match="like has 1 leaves but the diloco state holds 2"):
+        jaxcomm.local_params(row, like={"w": jnp.zeros((2, 3))})

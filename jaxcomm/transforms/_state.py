@@ -28,6 +28,18 @@ class PerDevice(NamedTuple):
     value: Any
 
 
+# The fields of each jaxcomm state that hold PerDevice subtrees, by the
+# state's field names: Flax NNX state keeps the names but not the types.
+_PER_DEVICE_FIELDS: dict[frozenset, tuple[str, ...]] = {}
+
+
+def per_device_fields(state_type, *fields: str) -> None:
+    """Records that ``fields`` of the NamedTuple ``state_type`` (a jaxcomm
+    transform's state) are :class:`PerDevice`, for :func:`state_specs` on
+    containers that dropped the type."""
+    _PER_DEVICE_FIELDS[frozenset(state_type._fields)] = fields
+
+
 class CommStats(NamedTuple):
     """What one step communicated, as seen by this device; log it freely.
 
@@ -237,7 +249,11 @@ def state_specs(opt_state, axis_name):
     """
     spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
     # Flax NNX state keeps the field names but not the PerDevice type.
-    residuals = [(*p, "residual", "value") for p in _jaxcomm_prefixes(opt_state)]
+    rows = [
+        (*p, field, "value")
+        for p in _jaxcomm_prefixes(opt_state)
+        for field in _per_device_fields_at(opt_state, p)
+    ]
 
     def one(path, node):
         if isinstance(node, PerDevice):
@@ -253,13 +269,30 @@ def state_specs(opt_state, axis_name):
                 skip_state=jax.tree.map(lambda _: P(), node.skip_state),
             )
         names = _names(path)
-        if any(names[: len(r)] == r for r in residuals):
+        if any(names[: len(r)] == r for r in rows):
             return spec
         return P()
 
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
     )
+
+
+def _per_device_fields_at(tree, prefix: tuple) -> set:
+    """The PerDevice fields of the jaxcomm state at `prefix` of a container
+    that dropped its type: those of every registered state whose fields
+    include all the names found there (fields without leaves leave no name)."""
+    here = {
+        names[len(prefix)]
+        for names in (_names(path) for path, _ in _with_path(tree))
+        if len(names) > len(prefix) and names[: len(prefix)] == prefix
+    }
+    return {
+        field
+        for fields, per_device in _PER_DEVICE_FIELDS.items()
+        if here <= fields
+        for field in per_device
+    }
 
 
 def _holds_jaxcomm_state(tree) -> bool:

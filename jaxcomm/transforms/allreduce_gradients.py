@@ -35,6 +35,9 @@ class AllReduceGradientsState(NamedTuple):
     stats: _state.CommStats
 
 
+_state.per_device_fields(AllReduceGradientsState, "residual")
+
+
 def allreduce_gradients(
     axis_name,
     *,

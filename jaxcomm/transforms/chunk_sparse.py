@@ -44,6 +44,9 @@ class ChunkSparseState(NamedTuple):
     stats: _state.CommStats
 
 
+_state.per_device_fields(ChunkSparseState, "residual")
+
+
 def chunk_sparse(
     inner: optax.GradientTransformation,
     axis_name,

@@ -49,6 +49,9 @@ class DiLoCoState(NamedTuple):
     stats: _state.CommStats
 
 
+_state.per_device_fields(DiLoCoState, "local", "inner")
+
+
 def diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
@@ -254,13 +257,20 @@ def diloco(
     return optax.GradientTransformation(init, update)
 
 
-def local_params(opt_state):
+def local_params(opt_state, like=None):
     """This device's params in the state of a :func:`diloco` (inside ``shard_map``).
 
     Take the gradient at these: they are what this device's inner steps
     moved since the last sync. Works on the state of an ``optax.chain`` or any
-    nesting of it, like :func:`jaxcomm.get_stats`. Outside ``shard_map``,
+    nesting of it, like :func:`jaxcomm.get_stats`, and on a Flax
+    ``nnx.Optimizer``'s ``opt_state``. Outside ``shard_map``,
     ``state.local.value`` holds every device's params, one row per device.
+
+    Args:
+      opt_state: the optimizer state holding one diloco state.
+      like: optional tree with the params' structure (for Flax NNX,
+        ``nnx.state(model, nnx.Param)``); the values come back in it, so
+        ``nnx.merge`` takes them as the model's params.
     """
     found = [
         s
@@ -275,7 +285,22 @@ def local_params(opt_state):
             f"local_params reads this device's row, but the state holds {max(rows)} rows: "
             "call it inside jax.shard_map / jax.pmap, where each device sees its own"
         )
-    return _state.local(found[0].local)
+    local = _state.local(found[0].local)
+    if like is None:
+        return local
+    values, want = jax.tree.leaves(local), jax.tree.structure(like)
+    if len(values) != want.num_leaves:
+        raise ValueError(
+            f"local_params: like has {want.num_leaves} leaves but the diloco state holds "
+            f"{len(values)} params"
+        )
+    for (path, leaf), value in zip(jax.tree_util.tree_leaves_with_path(like), values, strict=True):
+        if jnp.shape(leaf) != jnp.shape(value):
+            raise ValueError(
+                f"local_params: like{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} "
+                f"but the diloco state's param there has {jnp.shape(value)}"
+            )
+    return jax.tree.unflatten(want, values)
 
 
 def plan_fragments(sizes, fragments: int) -> tuple[tuple[int, int], ...]:

@@ -51,6 +51,9 @@ class PowerSGDState(NamedTuple):
     stats: _state.CommStats
 
 
+_state.per_device_fields(PowerSGDState, "residual")
+
+
 class _Matrix(NamedTuple):
     """A compressed leaf: its index in the tree, its matrix view, its rank."""
 
