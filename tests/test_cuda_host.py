@@ -8,8 +8,10 @@ and the extension modules (the CPU one, and the CUDA one where it is built)
 export nothing but their PyInit_* (no statically linked cudart, no XLA FFI
 templates for another module to bind to).
 
-The C++ below is compiled with the host compiler against jax's FFI headers;
-it needs no CUDA, so it runs in CI. A failed check prints what it saw.
+The C++ below and in tests/cuda_host/ is compiled with the host compiler
+against jax's FFI headers, with XLA's side of each call faked in
+tests/cuda_host/fake_xla_ffi.h; it needs no CUDA, so it runs in CI. A failed
+check prints what it saw.
 """
 
 from __future__ import annotations
@@ -25,114 +27,42 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRATCH_TEST = r"""
-#include <cstdlib>
-#include <cstring>
 #include <iostream>
-#include <map>
 #include <string>
 
 #include "check.h"
 #include "cuda/scratch.h"
+#include "fake_xla_ffi.h"
 
-struct XLA_FFI_Error {
-  std::string message;
-};
-
-namespace {
-
-
-// What XLA does (xla/ffi/ffi_api.cc): alignment must be a power of two and at
-// most 16; the allocator may refuse a size. Blocks are tracked by address.
-constexpr size_t kXlaMaxAlignment = 16;
-size_t refuse_above = ~size_t{0};
-std::map<void*, size_t> live;
-int frees = 0, bad_frees = 0, errors_made = 0, errors_destroyed = 0;
-XLA_FFI_ExecutionContext* expected_ctx = nullptr;
-
-XLA_FFI_Error* Allocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
-  if (args->ctx != expected_ctx) return new XLA_FFI_Error{"wrong context"};
-  const size_t a = args->alignment;
-  if (a == 0 || (a & (a - 1)) != 0 || a > kXlaMaxAlignment) {
-    ++errors_made;
-    return new XLA_FFI_Error{"Unsupported alignment: " + std::to_string(a)};
-  }
-  if (args->size > refuse_above) {
-    ++errors_made;
-    return new XLA_FFI_Error{"RESOURCE_EXHAUSTED: Out of memory while trying to allocate " +
-                             std::to_string(args->size) + " bytes."};
-  }
-  args->data = std::aligned_alloc(kXlaMaxAlignment, (args->size + 15) / 16 * 16);
-  live[args->data] = args->size;
-  return nullptr;
-}
-
-XLA_FFI_Error* Free(XLA_FFI_DeviceMemory_Free_Args* args) {
-  auto it = live.find(args->data);
-  if (it == live.end() || it->second != args->size) {
-    ++bad_frees;
-  } else {
-    live.erase(it);
-    std::free(args->data);
-  }
-  ++frees;
-  return nullptr;
-}
-
-void Destroy(XLA_FFI_Error_Destroy_Args* args) {
-  ++errors_destroyed;
-  delete args->error;
-}
-
-#if XLA_FFI_API_MINOR >= 4
-void Details(XLA_FFI_Error_GetDetails_Args* args) {
-  args->message = args->error->message.c_str();
-  args->errc = XLA_FFI_Error_Code_INTERNAL;
-}
-#else
-void Message(XLA_FFI_Error_GetMessage_Args* args) { args->message = args->error->message.c_str(); }
-#endif
-
-}  // namespace
+using fake_xla::memory;
 
 int main() {
-  XLA_FFI_Api api;
-  std::memset(&api, 0, sizeof(api));
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.XLA_FFI_DeviceMemory_Allocate = Allocate;
-  api.XLA_FFI_DeviceMemory_Free = Free;
-  api.XLA_FFI_Error_Destroy = Destroy;
-#if XLA_FFI_API_MINOR >= 4
-  api.XLA_FFI_Error_GetDetails = Details;
-#else
-  api.XLA_FFI_Error_GetMessage = Message;
-#endif
-  int token = 0;
-  expected_ctx = reinterpret_cast<XLA_FFI_ExecutionContext*>(&token);
-  const xla::ffi::Context ctx(&api, expected_ctx);
+  fake_xla::HostContext hc;
+  const xla::ffi::Context ctx(&fake_xla::api, fake_xla::AsCtx(hc));
   {
     jaxcomm::cuda::Scratch scratch(ctx);
     void* a = nullptr;
     void* b = nullptr;
-    void* none = &token;
+    void* none = &hc;
     jaxcomm::Status st = scratch.Allocate(100, &a);
     if (!st.ok()) std::cout << "allocate(100): " << st.message() << "\n";
     CHECK(st.ok() && a != nullptr);
     CHECK(reinterpret_cast<uintptr_t>(a) % jaxcomm::cuda::kScratchAlignment == 0);
     CHECK(scratch.Allocate(4096, &b).ok() && b != nullptr && b != a);
     CHECK(scratch.Allocate(0, &none).ok() && none == nullptr);
-    CHECK(live.size() == 2);
+    CHECK(memory.live.size() == 2);
 
-    refuse_above = 1000;
-    void* big = &token;
+    memory.refuse_above = 1000;
+    void* big = &hc;
     st = scratch.Allocate(5000, &big);
     std::cout << "refused: " << st.message() << "\n";
     CHECK(!st.ok() && big == nullptr);
     CHECK(st.message().find("could not allocate 5000 bytes of scratch") != std::string::npos);
     CHECK(st.message().find("Out of memory while trying to allocate 5000 bytes") !=
           std::string::npos);
-    CHECK(errors_made == 1 && errors_destroyed == 1);
+    CHECK(fake_xla::errors_made == 1 && fake_xla::errors_destroyed == 1);
   }
-  CHECK(live.empty() && frees == 2 && bad_frees == 0);
+  CHECK(memory.live.empty() && memory.frees == 2 && memory.bad_frees == 0);
   return Result();
 }
 """
