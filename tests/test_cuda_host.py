@@ -2,11 +2,13 @@
 (xla_ffi/cuda/scratch.h) against an XLA FFI API that applies XLA's own rules
 for XLA_FFI_DeviceMemory_Allocate (alignment a power of two, at most 16); the
 device groups whose cliques the handlers ask XLA for (xla_ffi/cuda/groups.h);
-the collectives on jaxcomm's own communicators, on 8 host ranks over a host
-"device" and a loopback NCCL (xla_ffi/host_device/, tests/cuda_host/);
-and the extension modules (the CPU one, and the CUDA one where it is built)
-export nothing but their PyInit_* (no statically linked cudart, no XLA FFI
-templates for another module to bind to).
+the collectives on 8 host ranks over a host "device" and a loopback NCCL
+(xla_ffi/host_device/, tests/cuda_host/), both on jaxcomm's own communicators
+and on XLA's, lent through a fake of XLA's FFI collectives extension (where
+jax's FFI headers have that extension: jaxlib 0.11 on); and the extension
+modules (the CPU one, and the CUDA one where it is built) export nothing but
+their PyInit_* (no statically linked cudart, no XLA FFI templates for another
+module to bind to).
 
 The C++ below and in tests/cuda_host/ is compiled with the host compiler
 against jax's FFI headers, with XLA's side of each call faked in
@@ -199,6 +201,51 @@ def test_cuda_collectives_on_host_ranks_through_the_real_nccl_transport(tmp_path
         source,
         extra_sources=OWN_COMMS_SOURCES,
         flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=0", "-pthread"),
+    )
+    _run_ok(exe)
+
+
+# The same handlers on XLA's own communicators (xla_ffi/cuda/xla_comms.cc),
+# lent by a fake of XLA's collectives extension (tests/cuda_host/).
+XLA_COMMS_SOURCES = (*OWN_COMMS_SOURCES, "xla_ffi/cuda/xla_comms.cc")
+
+
+def _ffi_has_collectives_extension() -> bool:
+    api = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api"
+    return (api / "collectives_api.h").is_file()
+
+
+def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension(
+    tmp_path_factory,
+):
+    """8 ranks on host threads, each call as XLA makes it: a Prepare frame,
+    the cliques it requested acquired (one loopback NCCL communicator per
+    device and clique, ranked by position in the group, kept across calls),
+    an Execute frame. allreduce (ring, hierarchical with 1, 2, 4 and 8 ranks
+    per node, direct; float32 and bfloat16 wires; groups in id order,
+    interleaved, reversed, and two groups), the masked allreduce with
+    max_chunks, and reduce_scatter then all_gather match exact sums, and
+    Prepare asked for exactly the groups each needs (hierarchical: the nodes
+    and the ranks of equal local index) by flattened ids on XLA's own
+    communication id. The rank check reads the device once per communicator;
+    a call that stays in progress is awaited. What fails is reported: a clique
+    whose ranks are not the devices' positions, a node size that does not
+    divide the group, an Execute without a Prepare, a failed NCCL call (after
+    which the aborted cliques are made again and sum right). Every scratch
+    block and every error goes back to XLA."""
+    if not _ffi_has_collectives_extension():
+        pytest.skip(
+            f"jax {jax.__version__}'s FFI headers have no collectives extension "
+            "(xla/ffi/api/collectives_api.h, jaxlib 0.11 on): the handlers use "
+            "jaxcomm's own communicators there"
+        )
+    source = (ROOT / "tests" / "cuda_host" / "xla_comms_test.cc").read_text()
+    exe = _host_binary(
+        tmp_path_factory,
+        "xla_comms_test",
+        source,
+        extra_sources=XLA_COMMS_SOURCES,
+        flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=1", "-pthread"),
     )
     _run_ok(exe)
 
