@@ -230,9 +230,10 @@ def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension
     communication id. The rank check reads the device once per communicator;
     a call that stays in progress is awaited. What fails is reported: a clique
     whose ranks are not the devices' positions, a node size that does not
-    divide the group, an Execute without a Prepare, a failed NCCL call (after
-    which the aborted cliques are made again and sum right). Every scratch
-    block and every error goes back to XLA."""
+    divide the group, groups that leave devices out (XLA refuses the
+    request), an Execute without a Prepare, a failed NCCL call (after which
+    the aborted cliques are made again and sum right). Every scratch block and
+    every error goes back to XLA."""
     if not _ffi_has_collectives_extension():
         pytest.skip(
             f"jax {jax.__version__}'s FFI headers have no collectives extension "

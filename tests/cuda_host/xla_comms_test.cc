@@ -91,18 +91,21 @@ struct Invocation {
   int execute_waits = 0;                // host waits for the stream in Execute
 };
 
-// XLA running one custom call on one device: the Prepare stage, then the
-// cliques it requested acquired, then the Execute stage with the same
-// operands and attributes.
+// XLA running one custom call on one device: the Prepare stage (which XLA
+// gives no stream and no device ordinal), then the cliques it requested
+// acquired, then the Execute stage with the same operands and attributes.
 Invocation Invoke(XLA_FFI_Handler* execute, HostContext& hc, int64_t device, RankOrder order,
                   const std::vector<XLA_FFI_Buffer>& args, const std::vector<XLA_FFI_Buffer>& rets,
                   const std::vector<Attr>& attrs) {
   fake_xla::CallCollectives xla(xla_cliques, device, order);
-  hc.extensions = xla.extension();
+  HostContext prepare;
+  prepare.device = -1;
+  prepare.extensions = xla.extension();
   Invocation inv;
-  inv.error =
-      CallHandler(cuda::PrepareXlaComms, hc, args, rets, attrs, XLA_FFI_ExecutionStage_PREPARE);
+  inv.error = CallHandler(cuda::PrepareXlaComms, prepare, args, rets, attrs,
+                          XLA_FFI_ExecutionStage_PREPARE);
   if (inv.error.empty()) inv.error = xla.Acquire();
+  hc.extensions = xla.extension();
   if (inv.error.empty()) {
     const int waits = host::HostWaits();
     inv.error = CallHandler(execute, hc, args, rets, attrs);
@@ -472,6 +475,19 @@ void CheckFailures() {
       CHECK(Contains(o.calls[t].error,
                      "hierarchical needs the group size (8) to be a multiple of "
                      "the ranks per node (3)"));
+    }
+  }
+
+  // Groups that leave devices out: XLA refuses those devices' requests, and
+  // their Prepare says why.
+  {
+    const DeviceGroups half{{48, 49, 50, 51}};
+    AllReduceCall c{half, 48, Algorithm::kRing, 1, kSameWire, 64};
+    const Outcome o = RunAllReduce(c);
+    for (int t = 4; t < kRanks; ++t) {
+      CHECK(Contains(o.calls[t].error, "XLA's collectives extension refused the clique request"));
+      CHECK(Contains(o.calls[t].error,
+                     "device " + std::to_string(48 + t) + " is in none of the replica groups"));
     }
   }
 
