@@ -2,14 +2,18 @@
 (xla_ffi/cuda/scratch.h) against an XLA FFI API that applies XLA's own rules
 for XLA_FFI_DeviceMemory_Allocate (alignment a power of two, at most 16); the
 device groups whose cliques the handlers ask XLA for (xla_ffi/cuda/groups.h);
-the collectives on jaxcomm's own communicators, on 8 host ranks over a host
-"device" and a loopback NCCL (xla_ffi/host_device/, tests/cuda_host/);
-and the extension modules (the CPU one, and the CUDA one where it is built)
-export nothing but their PyInit_* (no statically linked cudart, no XLA FFI
-templates for another module to bind to).
+the collectives on 8 host ranks over a host "device" and a loopback NCCL
+(xla_ffi/host_device/, tests/cuda_host/), both on jaxcomm's own communicators
+and on XLA's, lent through a fake of XLA's FFI collectives extension (where
+jax's FFI headers have that extension: jaxlib 0.11 on); and the extension
+modules (the CPU one, and the CUDA one where it is built) export nothing but
+their PyInit_* (no statically linked cudart, no XLA FFI templates for another
+module to bind to).
 
-The C++ below is compiled with the host compiler against jax's FFI headers;
-it needs no CUDA, so it runs in CI. A failed check prints what it saw.
+The C++ below and in tests/cuda_host/ is compiled with the host compiler
+against jax's FFI headers, with XLA's side of each call faked in
+tests/cuda_host/fake_xla_ffi.h; it needs no CUDA, so it runs in CI. A failed
+check prints what it saw.
 """
 
 from __future__ import annotations
@@ -25,114 +29,42 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRATCH_TEST = r"""
-#include <cstdlib>
-#include <cstring>
 #include <iostream>
-#include <map>
 #include <string>
 
 #include "check.h"
 #include "cuda/scratch.h"
+#include "fake_xla_ffi.h"
 
-struct XLA_FFI_Error {
-  std::string message;
-};
-
-namespace {
-
-
-// What XLA does (xla/ffi/ffi_api.cc): alignment must be a power of two and at
-// most 16; the allocator may refuse a size. Blocks are tracked by address.
-constexpr size_t kXlaMaxAlignment = 16;
-size_t refuse_above = ~size_t{0};
-std::map<void*, size_t> live;
-int frees = 0, bad_frees = 0, errors_made = 0, errors_destroyed = 0;
-XLA_FFI_ExecutionContext* expected_ctx = nullptr;
-
-XLA_FFI_Error* Allocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
-  if (args->ctx != expected_ctx) return new XLA_FFI_Error{"wrong context"};
-  const size_t a = args->alignment;
-  if (a == 0 || (a & (a - 1)) != 0 || a > kXlaMaxAlignment) {
-    ++errors_made;
-    return new XLA_FFI_Error{"Unsupported alignment: " + std::to_string(a)};
-  }
-  if (args->size > refuse_above) {
-    ++errors_made;
-    return new XLA_FFI_Error{"RESOURCE_EXHAUSTED: Out of memory while trying to allocate " +
-                             std::to_string(args->size) + " bytes."};
-  }
-  args->data = std::aligned_alloc(kXlaMaxAlignment, (args->size + 15) / 16 * 16);
-  live[args->data] = args->size;
-  return nullptr;
-}
-
-XLA_FFI_Error* Free(XLA_FFI_DeviceMemory_Free_Args* args) {
-  auto it = live.find(args->data);
-  if (it == live.end() || it->second != args->size) {
-    ++bad_frees;
-  } else {
-    live.erase(it);
-    std::free(args->data);
-  }
-  ++frees;
-  return nullptr;
-}
-
-void Destroy(XLA_FFI_Error_Destroy_Args* args) {
-  ++errors_destroyed;
-  delete args->error;
-}
-
-#if XLA_FFI_API_MINOR >= 4
-void Details(XLA_FFI_Error_GetDetails_Args* args) {
-  args->message = args->error->message.c_str();
-  args->errc = XLA_FFI_Error_Code_INTERNAL;
-}
-#else
-void Message(XLA_FFI_Error_GetMessage_Args* args) { args->message = args->error->message.c_str(); }
-#endif
-
-}  // namespace
+using fake_xla::memory;
 
 int main() {
-  XLA_FFI_Api api;
-  std::memset(&api, 0, sizeof(api));
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.XLA_FFI_DeviceMemory_Allocate = Allocate;
-  api.XLA_FFI_DeviceMemory_Free = Free;
-  api.XLA_FFI_Error_Destroy = Destroy;
-#if XLA_FFI_API_MINOR >= 4
-  api.XLA_FFI_Error_GetDetails = Details;
-#else
-  api.XLA_FFI_Error_GetMessage = Message;
-#endif
-  int token = 0;
-  expected_ctx = reinterpret_cast<XLA_FFI_ExecutionContext*>(&token);
-  const xla::ffi::Context ctx(&api, expected_ctx);
+  fake_xla::HostContext hc;
+  const xla::ffi::Context ctx(&fake_xla::api, fake_xla::AsCtx(hc));
   {
     jaxcomm::cuda::Scratch scratch(ctx);
     void* a = nullptr;
     void* b = nullptr;
-    void* none = &token;
+    void* none = &hc;
     jaxcomm::Status st = scratch.Allocate(100, &a);
     if (!st.ok()) std::cout << "allocate(100): " << st.message() << "\n";
     CHECK(st.ok() && a != nullptr);
     CHECK(reinterpret_cast<uintptr_t>(a) % jaxcomm::cuda::kScratchAlignment == 0);
     CHECK(scratch.Allocate(4096, &b).ok() && b != nullptr && b != a);
     CHECK(scratch.Allocate(0, &none).ok() && none == nullptr);
-    CHECK(live.size() == 2);
+    CHECK(memory.live.size() == 2);
 
-    refuse_above = 1000;
-    void* big = &token;
+    memory.refuse_above = 1000;
+    void* big = &hc;
     st = scratch.Allocate(5000, &big);
     std::cout << "refused: " << st.message() << "\n";
     CHECK(!st.ok() && big == nullptr);
     CHECK(st.message().find("could not allocate 5000 bytes of scratch") != std::string::npos);
     CHECK(st.message().find("Out of memory while trying to allocate 5000 bytes") !=
           std::string::npos);
-    CHECK(errors_made == 1 && errors_destroyed == 1);
+    CHECK(fake_xla::errors_made == 1 && fake_xla::errors_destroyed == 1);
   }
-  CHECK(live.empty() && frees == 2 && bad_frees == 0);
+  CHECK(memory.live.empty() && memory.frees == 2 && memory.bad_frees == 0);
   return Result();
 }
 """
@@ -269,6 +201,52 @@ def test_cuda_collectives_on_host_ranks_through_the_real_nccl_transport(tmp_path
         source,
         extra_sources=OWN_COMMS_SOURCES,
         flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=0", "-pthread"),
+    )
+    _run_ok(exe)
+
+
+# The same handlers on XLA's own communicators (xla_ffi/cuda/xla_comms.cc),
+# lent by a fake of XLA's collectives extension (tests/cuda_host/).
+XLA_COMMS_SOURCES = (*OWN_COMMS_SOURCES, "xla_ffi/cuda/xla_comms.cc")
+
+
+def _ffi_has_collectives_extension() -> bool:
+    api = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api"
+    return (api / "collectives_api.h").is_file()
+
+
+def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension(
+    tmp_path_factory,
+):
+    """8 ranks on host threads, each call as XLA makes it: a Prepare frame,
+    the cliques it requested acquired (one loopback NCCL communicator per
+    device and clique, ranked by position in the group, kept across calls),
+    an Execute frame. allreduce (ring, hierarchical with 1, 2, 4 and 8 ranks
+    per node, direct; float32 and bfloat16 wires; groups in id order,
+    interleaved, reversed, and two groups), the masked allreduce with
+    max_chunks, and reduce_scatter then all_gather match exact sums, and
+    Prepare asked for exactly the groups each needs (hierarchical: the nodes
+    and the ranks of equal local index) by flattened ids on XLA's own
+    communication id. The rank check reads the device once per communicator;
+    a call that stays in progress is awaited. What fails is reported: a clique
+    whose ranks are not the devices' positions, a node size that does not
+    divide the group, groups that leave devices out (XLA refuses the
+    request), an Execute without a Prepare, a failed NCCL call (after which
+    the aborted cliques are made again and sum right). Every scratch block and
+    every error goes back to XLA."""
+    if not _ffi_has_collectives_extension():
+        pytest.skip(
+            f"jax {jax.__version__}'s FFI headers have no collectives extension "
+            "(xla/ffi/api/collectives_api.h, jaxlib 0.11 on): the handlers use "
+            "jaxcomm's own communicators there"
+        )
+    source = (ROOT / "tests" / "cuda_host" / "xla_comms_test.cc").read_text()
+    exe = _host_binary(
+        tmp_path_factory,
+        "xla_comms_test",
+        source,
+        extra_sources=XLA_COMMS_SOURCES,
+        flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=1", "-pthread"),
     )
     _run_ok(exe)
 

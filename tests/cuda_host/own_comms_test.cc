@@ -20,11 +20,8 @@
 #include "cuda/handlers.h"
 #include "cuda/nccl_transport.h"
 #include "cuda/scratch.h"
+#include "fake_xla_ffi.h"
 #include "host_device/nccl.h"
-
-struct XLA_FFI_Error {
-  std::string message;
-};
 
 namespace {
 
@@ -35,52 +32,12 @@ using jaxcomm::Status;
 namespace cuda = jaxcomm::cuda;
 namespace host = jaxcomm::host_device;
 
-// XLA's scratch allocator, as far as Scratch uses it: 16-byte blocks.
-XLA_FFI_Error* Allocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
-  args->data = std::aligned_alloc(16, (args->size + 15) / 16 * 16);
-  return nullptr;
-}
-XLA_FFI_Error* CreateError(XLA_FFI_Error_Create_Args* args) {
-  return new XLA_FFI_Error{args->message};
-}
-// What the handlers ask of their execution context: the stream and the device.
-struct HostContext {
-  cudaStream_t stream;
-  int device;
-};
-XLA_FFI_Error* GetStream(XLA_FFI_Stream_Get_Args* args) {
-  args->stream = reinterpret_cast<HostContext*>(args->ctx)->stream;
-  return nullptr;
-}
-XLA_FFI_Error* GetDevice(XLA_FFI_DeviceOrdinal_Get_Args* args) {
-  args->device_ordinal = reinterpret_cast<HostContext*>(args->ctx)->device;
-  return nullptr;
-}
-// XLA's allocator is stream-ordered: a block the handler frees as it returns
-// may be reused only by work queued after the handler's, so it is released
-// when the stream gets there.
-XLA_FFI_Error* Free(XLA_FFI_DeviceMemory_Free_Args* args) {
-  void* data = args->data;
-  host::Enqueue(reinterpret_cast<HostContext*>(args->ctx)->stream, [data] { std::free(data); });
-  return nullptr;
-}
-void Destroy(XLA_FFI_Error_Destroy_Args* args) { delete args->error; }
-
-XLA_FFI_Api MakeApi() {
-  XLA_FFI_Api api;
-  std::memset(&api, 0, sizeof(api));
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.XLA_FFI_DeviceMemory_Allocate = Allocate;
-  api.XLA_FFI_DeviceMemory_Free = Free;
-  api.XLA_FFI_Error_Destroy = Destroy;
-  api.XLA_FFI_Error_Create = CreateError;
-  api.XLA_FFI_Stream_Get = GetStream;
-  api.XLA_FFI_DeviceOrdinal_Get = GetDevice;
-  api.api_version.major_version = XLA_FFI_API_MAJOR;
-  api.api_version.minor_version = XLA_FFI_API_MINOR;
-  return api;
-}
-XLA_FFI_Api api = MakeApi();
+// XLA's side of a handler call: tests/cuda_host/fake_xla_ffi.h.
+using fake_xla::api;
+using fake_xla::Attr;
+using fake_xla::Buf;
+using fake_xla::CallHandler;
+using fake_xla::HostContext;
 
 constexpr int kRanks = 8;
 
@@ -188,57 +145,6 @@ void CheckSums(const char* what, const Call& call, const Outcome& o) {
       ++failures;
     }
   }
-}
-
-// A scalar attribute of a call frame.
-struct Attr {
-  const char* name;
-  XLA_FFI_DataType type;
-  void* value;
-};
-
-XLA_FFI_Buffer Buf(XLA_FFI_DataType type, void* data, int64_t* dims) {
-  return {XLA_FFI_Buffer_STRUCT_SIZE, nullptr, type, data, 1, dims};
-}
-
-// One handler call through a call frame as XLA builds it: buffers, then the
-// attributes sorted by name. Returns the handler's error message, "" if none.
-std::string CallHandler(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*), HostContext& hc,
-                        std::vector<XLA_FFI_Buffer> args, std::vector<XLA_FFI_Buffer> rets,
-                        std::vector<Attr> attrs) {
-  std::vector<XLA_FFI_ArgType> arg_types(args.size(), XLA_FFI_ArgType_BUFFER);
-  std::vector<XLA_FFI_RetType> ret_types(rets.size(), XLA_FFI_RetType_BUFFER);
-  std::vector<void*> arg_ptrs, ret_ptrs, attr_ptrs;
-  for (auto& b : args) arg_ptrs.push_back(&b);
-  for (auto& b : rets) ret_ptrs.push_back(&b);
-  const size_t na = attrs.size();
-  std::vector<XLA_FFI_Scalar> scalars(na);
-  std::vector<XLA_FFI_ByteSpan> spans(na);
-  std::vector<XLA_FFI_ByteSpan*> names(na);
-  std::vector<XLA_FFI_AttrType> attr_types(na, XLA_FFI_AttrType_SCALAR);
-  for (size_t i = 0; i < na; ++i) {
-    scalars[i] = {attrs[i].type, attrs[i].value};
-    spans[i] = {attrs[i].name, std::strlen(attrs[i].name)};
-    names[i] = &spans[i];
-    attr_ptrs.push_back(&scalars[i]);
-  }
-  XLA_FFI_CallFrame frame;
-  std::memset(&frame, 0, sizeof(frame));
-  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
-  frame.api = &api;
-  frame.ctx = reinterpret_cast<XLA_FFI_ExecutionContext*>(&hc);
-  frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
-  frame.args = {XLA_FFI_Args_STRUCT_SIZE, nullptr, static_cast<int64_t>(args.size()),
-                arg_types.data(), arg_ptrs.data()};
-  frame.rets = {XLA_FFI_Rets_STRUCT_SIZE, nullptr, static_cast<int64_t>(rets.size()),
-                ret_types.data(), ret_ptrs.data()};
-  frame.attrs = {XLA_FFI_Attrs_STRUCT_SIZE, nullptr,      static_cast<int64_t>(na),
-                 attr_types.data(),         names.data(), attr_ptrs.data()};
-  XLA_FFI_Error* err = handler(&frame);
-  if (err == nullptr) return "";
-  std::string message = err->message;
-  delete err;
-  return message.empty() ? "(error without a message)" : message;
 }
 
 struct AllReduceArgs {
