@@ -82,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", choices=("allreduce", "train", "check"), default="allreduce")
+    parser.add_argument(
+        "--workload", choices=("allreduce", "train", "check", "overlap"), default="allreduce"
+    )
     parser.add_argument("--hosts", type=int, help="processes, one per namespace (default 4)")
     parser.add_argument(
         "--devices-per-host",
@@ -127,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts}: need at least 2")
     if args.devices_per_host is None:
-        wants = args.paths if args.workload == "allreduce" else args.configs
+        wants = {"allreduce": args.paths, "train": args.configs}.get(args.workload, "")
         args.devices_per_host = 2 if "hierarchical" in wants.split(",") else 1
     return args
 
@@ -201,6 +203,14 @@ def table(rows: list[dict], workload: str) -> str:
                 lines.append(f"{r['config']:<19}{r['step_s']:>9.3f}{loss:>22}")
             else:
                 lines.append(f"{r['config']:<19}  {r.get('error')}")
+        return "\n".join(lines)
+    if workload == "overlap":
+        lines = [f"{'size':>9}{'compute s':>11}{'allreduce s':>13}{'both s':>9}{'overlap':>9}"]
+        for r in rows:
+            lines.append(
+                f"{r['bytes'] / 2**20:>5g} MiB{r['compute_s']:>11.3f}{r['allreduce_s']:>13.3f}"
+                f"{r['both_s']:>9.3f}{r['overlap']:>9.2f}"
+            )
         return "\n".join(lines)
     lines = [f"{'path':<13}{'wire':<10}{'max error / bound':>18}"]
     for r in rows:

@@ -150,6 +150,24 @@ def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
 
 
 @needs_namespaces
+def test_overlap_workload_times_each_program(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        _command("--workload", "overlap", "--sizes-mib", "1", "--json", str(out)),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [r for r in json.loads(out.read_text()) if "both_s" in r]
+    assert row["hosts"] == 2 and row["devices"] == 2 and row["bytes"] == 2**20
+    assert min(row["compute_s"], row["allreduce_s"], row["both_s"]) > 0
+    saved = row["compute_s"] + row["allreduce_s"] - row["both_s"]
+    assert row["overlap"] == pytest.approx(saved / min(row["compute_s"], row["allreduce_s"]))
+    assert "allreduce s" in done.stdout
+
+
+@needs_namespaces
 def test_a_failing_host_stops_the_run_and_leaves_nothing():
     before = _snapshot()
     done = subprocess.run(_command("--fail-rank", "1"), capture_output=True, text=True, timeout=200)

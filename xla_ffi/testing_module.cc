@@ -1,6 +1,9 @@
 // jaxcomm._ffi_testing: a thread harness that drives the CPU collective code
 // without XLA, for what an XLA program cannot stage (a rank that never shows
-// up, thousands of calls for a leak check). Test-only: the production module
+// up, thousands of calls for a leak check), and two FFI handlers that stand
+// for a transfer that waits (on the thread XLA gives it, or on one of its
+// own behind a future), to see what XLA's CPU runtime runs while a custom
+// call waits. Test-only: the production module
 // (python_module.cc) does not carry it. It links its own copy of the CPU
 // transport, so its rendezvous slots and timeout are its own: set_timeout and
 // live_slots here act on the harness's copy, not on jaxcomm._ffi's.
@@ -10,9 +13,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <future>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "algorithm/schedule.h"
@@ -20,8 +27,10 @@
 #include "cpu/collective.h"
 #include "cpu/direct.h"
 #include "cpu/rendezvous.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace py = pybind11;
+namespace ffi = xla::ffi;
 
 namespace jaxcomm::cpu {
 namespace {
@@ -93,6 +102,61 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
   return result;
 }
 
+// [start, end) of every wait, in seconds of the steady clock, by tag.
+std::mutex waits_mu;
+std::vector<std::tuple<int64_t, double, double>> waits;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// y = x after `seconds`: the wait is recorded under `tag`.
+void Wait(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y, double seconds, int64_t tag) {
+  const double start = Now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
+  std::lock_guard<std::mutex> lock(waits_mu);
+  waits.emplace_back(tag, start, Now());
+}
+
+ffi::Error WaitHere(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, double seconds, int64_t tag) {
+  Wait(x, y, seconds, tag);
+  return ffi::Error::Success();
+}
+
+// The wait on a thread of its own; XLA gets a future at once.
+ffi::Future WaitBehindFuture(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, double seconds,
+                             int64_t tag) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::thread([x, y, seconds, tag, promise = std::move(promise)]() mutable {
+    Wait(x, y, seconds, tag);
+    promise.SetAvailable();
+  }).detach();
+  return future;
+}
+
+XLA_FFI_DEFINE_HANDLER(kWaitHere, WaitHere,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<double>("seconds")
+                           .Attr<int64_t>("tag"));
+XLA_FFI_DEFINE_HANDLER(kWaitBehindFuture, WaitBehindFuture,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<double>("seconds")
+                           .Attr<int64_t>("tag"));
+
+py::list TakeWaits() {
+  std::lock_guard<std::mutex> lock(waits_mu);
+  py::list out;
+  for (const auto& [tag, start, end] : waits) out.append(py::make_tuple(tag, start, end));
+  waits.clear();
+  return out;
+}
+
 }  // namespace
 }  // namespace jaxcomm::cpu
 
@@ -107,4 +171,15 @@ PYBIND11_MODULE(_ffi_testing, m) {
   m.def(
       "live_slots", [] { return Registry::Get().live_slots() + LiveDirectSlots(); },
       "The harness's rendezvous slots currently alive (0 when no collective is running).");
+  m.def(
+      "wait_handlers",
+      [] {
+        py::dict d;
+        d["jaxcomm_testing_wait"] = py::capsule(reinterpret_cast<void*>(kWaitHere));
+        d["jaxcomm_testing_wait_async"] = py::capsule(reinterpret_cast<void*>(kWaitBehindFuture));
+        return d;
+      },
+      "FFI handlers (platform 'cpu'): y = x after `seconds`, on XLA's thread or behind a "
+      "future.");
+  m.def("take_waits", &TakeWaits, "[(tag, start_s, end_s)] of the waits so far, then clears.");
 }
