@@ -111,8 +111,10 @@ class CallCollectives {
     ext_.state = reinterpret_cast<XLA_FFI_CollectivesState*>(this);
     ext_.request_communicator = RequestCommunicator;
     ext_.get_communicator = GetCommunicator;
+#if XLA_FFI_Extension_Collectives_MinorVersion >= 2  // memory windows came in 0.2
     ext_.request_window = RequestWindow;
     ext_.get_window = GetWindow;
+#endif
   }
   CallCollectives(const CallCollectives&) = delete;
   CallCollectives& operator=(const CallCollectives&) = delete;
@@ -220,6 +222,7 @@ class CallCollectives {
     return nullptr;
   }
 
+#if XLA_FFI_Extension_Collectives_MinorVersion >= 2
   static XLA_FFI_Error* RequestWindow(const XLA_FFI_Collectives_Extension*,
                                       XLA_FFI_Window_Request_Args*) {
     return MakeError(XLA_FFI_Error_Code_UNIMPLEMENTED, "the fake has no memory windows");
@@ -227,6 +230,7 @@ class CallCollectives {
   static XLA_FFI_Error* GetWindow(const XLA_FFI_Collectives_Extension*, XLA_FFI_Window_Get_Args*) {
     return MakeError(XLA_FFI_Error_Code_UNIMPLEMENTED, "the fake has no memory windows");
   }
+#endif
 
   XLA_FFI_Collectives_Extension ext_;
   Cliques& cliques_;
