@@ -50,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=quality_worker.MODELS, default="lm")
-    parser.add_argument("--configs", default=ALL_CONFIGS, help=f"default {ALL_CONFIGS}")
+    parser.add_argument(
+        "--configs",
+        default=ALL_CONFIGS,
+        help=f"default {ALL_CONFIGS}; variants: {', '.join(quality_worker.VARIANTS)}",
+    )
     parser.add_argument("--rate", default="100mbit", help="link rate(s), comma-separated")
     parser.add_argument("--hosts", type=int, default=4, help="processes, one per namespace")
     parser.add_argument("--steps", type=int, default=200, help="steps of every configuration")
@@ -74,9 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for the whole run")
     args = parser.parse_args(argv)
     args.config_list = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.config_list if c not in quality_worker.CONFIGS]
-    if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {ALL_CONFIGS}")
+    for config in args.config_list:
+        try:
+            quality_worker.parse_config(config)
+        except ValueError as e:
+            parser.error(f"--configs: {e}")
     try:
         args.rates = [netbed.parse_rate(r) for r in args.rate.split(",") if r.strip()]
     except ValueError as e:
