@@ -264,8 +264,9 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
             + (f" within {100 * tolerance:g}%" if tolerance else "")
             + (f": {first['target']:.4f}" if first["target"] is not None else "")
         )
+        width = max(25, *(len(s["config"]) + 2 for s in entries))  # long variant names
         head = (
-            f"{'config':<25}{'bytes/step':>12}{'step s':>9}{'final':>9}{'vs dense':>9}"
+            f"{'config':<{width}}{'bytes/step':>12}{'step s':>9}{'final':>9}{'vs dense':>9}"
             f"{'wall s':>9}{'to target s':>13}{'speed-up':>10}{'dense there s':>15}"
             f"{'speed-up there':>16}"
         )
@@ -274,7 +275,7 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
             vs, to, up = s.get("quality_vs_dense"), s["time_to_target_s"], s["speedup"]
             there, up_there = s["dense_to_final_s"], s["speedup_at_final"]
             lines.append(
-                f"{s['config']:<25}{s['bytes_per_step']:>12,.0f}{s['step_s']:>9.3f}"
+                f"{s['config']:<{width}}{s['bytes_per_step']:>12,.0f}{s['step_s']:>9.3f}"
                 f"{s['final_quality']:>9.4f}"
                 f"{'' if vs is None else f'{100 * vs:+.1f}%':>9}"
                 f"{s['wall_s']:>9.1f}"
