@@ -31,6 +31,7 @@ import argparse
 import importlib
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -56,12 +57,76 @@ CONFIGS = {
     "diloco_h50": "diloco, sync every 50 steps",
     "streaming_diloco_h50_f5": "streaming diloco, sync every 50 steps in 5 fragments",
 }
+# Variants of the PowerSGD and DiLoCo configurations, named by their options
+# (e.g. powersgd_r4_warm50, diloco_h50_olr1.0_om0.8): parse_config reads them.
+VARIANTS = (
+    "powersgd_r{rank}[_noef][_warm{dense steps first}]",
+    "[streaming_]diloco_h{sync every}[_f{fragments}][_olr{outer lr}][_om{outer momentum}]",
+)
+POWERSGD = re.compile(r"powersgd_r(?P<rank>\d+)(?P<noef>_noef)?(?:_warm(?P<warm>\d+))?")
+DILOCO = re.compile(
+    r"(?:streaming_)?diloco_h(?P<sync_every>\d+)(?:_f(?P<fragments>\d+))?"
+    r"(?:_olr(?P<outer_lr>\d+(?:\.\d+)?))?(?:_om(?P<outer_momentum>\d+(?:\.\d+)?))?"
+)
+
+
+class PowerSGDConfig(NamedTuple):
+    rank: int
+    error_feedback: bool
+    start_step: int  # dense steps before compression starts
+
+
+class DiLoCoConfig(NamedTuple):
+    sync_every: int
+    fragments: int
+    # The paper's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9.
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+
+def parse_config(name: str):
+    """The name itself for a configuration of ``CONFIGS`` other than PowerSGD
+    and DiLoCo; their options (``PowerSGDConfig``, ``DiLoCoConfig``) for those
+    and their variants (``VARIANTS``). Raises ValueError for anything else."""
+    if match := POWERSGD.fullmatch(name):
+        return PowerSGDConfig(
+            rank=int(match["rank"]),
+            error_feedback=not match["noef"],
+            start_step=int(match["warm"] or 0),
+        )
+    if match := DILOCO.fullmatch(name):
+        found = {k: v for k, v in match.groupdict().items() if v is not None}
+        return DiLoCoConfig(
+            sync_every=int(found.pop("sync_every")),
+            fragments=int(found.pop("fragments", 1)),
+            **{k: float(v) for k, v in found.items()},
+        )
+    if name in CONFIGS:
+        return name
+    raise ValueError(
+        f"unknown configuration {name!r}: choose from {', '.join(CONFIGS)} or a variant "
+        f"{' or '.join(VARIANTS)}"
+    )
+
+
+def config_name(name: str) -> str:
+    """``name`` if ``parse_config`` reads it (argparse's type check)."""
+    try:
+        parse_config(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=MODELS, default="lm")
-    parser.add_argument("--config", choices=tuple(CONFIGS), default="dense")
+    parser.add_argument(
+        "--config",
+        type=config_name,
+        default="dense",
+        help=f"{', '.join(CONFIGS)}; or a variant {' or '.join(VARIANTS)}",
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--batch-per-device", type=int, default=16)
@@ -224,19 +289,25 @@ def make_optimizer(config: str, base, steps: int):
         return jaxcomm.chunk_sparse(
             base, AXIS, density=0.15, chunk_size=1024, warmup_steps=steps // 10, backend="xla"
         ), False
-    if config.startswith("powersgd"):
-        rank = int(config.split("_")[1][1:])
+    options = parse_config(config)
+    if isinstance(options, PowerSGDConfig):
         reduce = jaxcomm.powersgd(
-            AXIS, rank=rank, error_feedback=not config.endswith("_noef"), backend="xla"
+            AXIS,
+            rank=options.rank,
+            start_step=options.start_step,
+            error_feedback=options.error_feedback,
+            backend="xla",
         )
         return optax.chain(reduce, base), False
-    if "diloco" in config:
-        sync_every = int(config.split("_h")[1].split("_")[0])
-        fragments = int(config.split("_f")[1]) if "_f" in config else 1
-        # The paper's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9.
-        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    if isinstance(options, DiLoCoConfig):
+        outer = optax.sgd(options.outer_lr, momentum=options.outer_momentum, nesterov=True)
         return jaxcomm.diloco(
-            base, outer, AXIS, sync_every=sync_every, fragments=fragments, backend="xla"
+            base,
+            outer,
+            AXIS,
+            sync_every=options.sync_every,
+            fragments=options.fragments,
+            backend="xla",
         ), True
     raise ValueError(f"unknown configuration {config!r}")
 

@@ -50,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=quality_worker.MODELS, default="lm")
-    parser.add_argument("--configs", default=ALL_CONFIGS, help=f"default {ALL_CONFIGS}")
+    parser.add_argument(
+        "--configs",
+        default=ALL_CONFIGS,
+        help=f"default {ALL_CONFIGS}; variants: {', '.join(quality_worker.VARIANTS)}",
+    )
     parser.add_argument("--rate", default="100mbit", help="link rate(s), comma-separated")
     parser.add_argument("--hosts", type=int, default=4, help="processes, one per namespace")
     parser.add_argument("--steps", type=int, default=200, help="steps of every configuration")
@@ -74,9 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for the whole run")
     args = parser.parse_args(argv)
     args.config_list = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.config_list if c not in quality_worker.CONFIGS]
-    if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {ALL_CONFIGS}")
+    for config in args.config_list:
+        try:
+            quality_worker.parse_config(config)
+        except ValueError as e:
+            parser.error(f"--configs: {e}")
     try:
         args.rates = [netbed.parse_rate(r) for r in args.rate.split(",") if r.strip()]
     except ValueError as e:
@@ -258,8 +264,9 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
             + (f" within {100 * tolerance:g}%" if tolerance else "")
             + (f": {first['target']:.4f}" if first["target"] is not None else "")
         )
+        width = max(25, *(len(s["config"]) + 2 for s in entries))  # long variant names
         head = (
-            f"{'config':<25}{'bytes/step':>12}{'step s':>9}{'final':>9}{'vs dense':>9}"
+            f"{'config':<{width}}{'bytes/step':>12}{'step s':>9}{'final':>9}{'vs dense':>9}"
             f"{'wall s':>9}{'to target s':>13}{'speed-up':>10}{'dense there s':>15}"
             f"{'speed-up there':>16}"
         )
@@ -268,7 +275,7 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
             vs, to, up = s.get("quality_vs_dense"), s["time_to_target_s"], s["speedup"]
             there, up_there = s["dense_to_final_s"], s["speedup_at_final"]
             lines.append(
-                f"{s['config']:<25}{s['bytes_per_step']:>12,.0f}{s['step_s']:>9.3f}"
+                f"{s['config']:<{width}}{s['bytes_per_step']:>12,.0f}{s['step_s']:>9.3f}"
                 f"{s['final_quality']:>9.4f}"
                 f"{'' if vs is None else f'{100 * vs:+.1f}%':>9}"
                 f"{s['wall_s']:>9.1f}"

@@ -276,3 +276,25 @@ def test_time_to_quality_table_agrees_with_its_rows(tmp_path):
     assert png.stat().st_size > 0
     _assert_torn_down(before)
     assert not _pids_running("quality_worker.py") | _pids_running(str(TTQ_SCRIPT))
+
+
+def test_quality_worker_reads_configuration_names():
+    """The configurations' names, old and variant, give the options they
+    spell; the old names keep the options they had before variants existed."""
+    import quality_worker as qw
+
+    assert qw.parse_config("powersgd_r4") == qw.PowerSGDConfig(4, True, 0)
+    assert qw.parse_config("powersgd_r1_noef") == qw.PowerSGDConfig(1, False, 0)
+    assert qw.parse_config("powersgd_r4_warm50") == qw.PowerSGDConfig(4, True, 50)
+    assert qw.parse_config("powersgd_r8_noef_warm20") == qw.PowerSGDConfig(8, False, 20)
+    assert qw.parse_config("diloco_h10") == qw.DiLoCoConfig(10, 1, 0.7, 0.9)
+    assert qw.parse_config("streaming_diloco_h50_f5") == qw.DiLoCoConfig(50, 5, 0.7, 0.9)
+    assert qw.parse_config("diloco_h50_olr1.0_om0") == qw.DiLoCoConfig(50, 1, 1.0, 0.0)
+    assert qw.parse_config("diloco_h50_om0.8") == qw.DiLoCoConfig(50, 1, 0.7, 0.8)
+    for name in ("dense", "bf16_ef", "chunk_sparse"):
+        assert qw.parse_config(name) == name
+    for name in qw.CONFIGS:
+        qw.parse_config(name)  # every default configuration is read
+    for bad in ("powersgd_r4_warm", "powersgd", "diloco_h50_olr", "diloco_h50_om0.8_olr1", "x"):
+        with pytest.raises(ValueError, match="unknown configuration"):
+            qw.parse_config(bad)
