@@ -109,8 +109,10 @@ def test_one_process_without_a_cross_process_sum_would_differ(tmp_path):
     assert max(np.abs(both[k] - half[k]).max() for k in both) > 100 * ATOL
 
 
-# A warm-up psum over both processes (so gloo has connected and said so), then
-# rank 1 notes the time and raises while rank 0 blocks in a second psum.
+# A warm-up psum over both processes (so gloo has connected and said so), a
+# second one once both have printed its result (so rank 0's line is out before
+# rank 1 raises), then rank 1 notes the time and raises while rank 0 blocks in
+# a third.
 FAILING_RANK = """
     import sys, time, jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -123,6 +125,7 @@ FAILING_RANK = """
     total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "local")), mesh=mesh,
                                   in_specs=P(("node", "local")), out_specs=P()))
     print("warm-up sum", float(total(x)[0]), flush=True)
+    total(x).block_until_ready()
     if settings.process_id == 1:
         with open(sys.argv[1], "w") as f:
             f.write(repr(time.time()))
