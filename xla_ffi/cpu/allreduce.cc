@@ -141,7 +141,10 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
-  const Algorithm algo = site.algorithm;
+  // Shared memory does not reach other processes: there the ring runs.
+  const Algorithm algo = site.algorithm == Algorithm::kDirect && CrossesProcesses(site)
+                             ? Algorithm::kRing
+                             : site.algorithm;
   // Only the selected chunks travel: pack them, reduce, unpack; the other
   // chunks keep the local values.
   if (algo == Algorithm::kDirect) {
