@@ -444,17 +444,23 @@ def overlap_row(args, mesh, x, a, n, width, compute, path: str) -> dict:
         "bytes": n * 4,
         "width": width,
     }
-    for name, body in bodies.items():
-        run = jax.jit(
+    runs = {
+        name: jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=P(AXES))
         )
+        for name, body in bodies.items()
+    }
+    for run in runs.values():
         jax.block_until_ready(run(x, a))  # compile and warm up
-        times = []
-        for _ in range(args.repeats):
+    # Round-robin, so that a change in the machine's load hits all three alike.
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
             start = time.perf_counter()
             jax.block_until_ready(run(x, a))
-            times.append(time.perf_counter() - start)
-        row[f"{name}_s"] = statistics.median(times)
+            times[name].append(time.perf_counter() - start)
+    for name in runs:
+        row[f"{name}_s"] = statistics.median(times[name])
         progress(f"overlap {path}: {name} {row[f'{name}_s']:.3f} s")
     # 1: both ran fully at once (max of the two); 0: one after the other (sum).
     saved = row["compute_s"] + row["allreduce_s"] - row["both_s"]

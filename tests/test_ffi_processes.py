@@ -62,6 +62,11 @@ WORKER = """
         lambda v: jaxcomm.allreduce(v, "d", backend="ffi", chunk_mask=jnp.asarray(mask),
                                     chunk_size=100), ints)
 
+    out["reduce_scatter"] = per_device(
+        lambda v: jaxcomm.reduce_scatter(v, "d", backend="ffi"), ints)
+    out["all_gather"] = per_device(
+        lambda v: jaxcomm.all_gather(v, "d", backend="ffi").reshape(-1), ints)
+
     # One SGD step of a linear model, the gradients reduced by ffi and by xla.
     x_all = rng.normal(size=(rows * 8, 5)).astype(np.float32)
     y_all = rng.normal(size=(rows * 8,)).astype(np.float32)
@@ -172,6 +177,19 @@ def test_chunk_mask_across_processes(results):
         for local in (0, 1):
             own = ints[2 * process + local]
             np.testing.assert_array_equal(out["masked"][local], np.where(selected, total, own))
+
+
+def test_reduce_scatter_and_all_gather_across_processes(results):
+    for process, out in enumerate(results):
+        ints = out["ints"]
+        total = ints.astype(np.float64).sum(axis=0)
+        shard = -(-ints.shape[1] // 4)
+        padded = np.concatenate([total, np.zeros(4 * shard - total.size)])
+        for local in (0, 1):
+            rank = 2 * process + local
+            want = padded[rank * shard : (rank + 1) * shard]
+            np.testing.assert_array_equal(out["reduce_scatter"][local], want)
+            np.testing.assert_array_equal(out["all_gather"][local], ints.reshape(-1))
 
 
 def test_allreduce_gradients_ffi_trains_like_xla(results):
