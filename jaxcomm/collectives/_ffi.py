@@ -171,6 +171,7 @@ def _share_tcp_addresses(op_id: int, x, place: AxisPlacement) -> None:
         for rank, device in enumerate(row):
             if devices[device].process_index == exchange.process_id:
                 own[f"{group}/{rank}"] = [host, ext.tcp_listen(op_id, group, rank, host)]
+                ext.tcp_set_rank(op_id, devices[device].id, group, rank)  # the FFI DeviceOrdinal
     everyone, _ = exchange.gather(
         own, what="the addresses of their ffi collectives", caller="the same program"
     )
@@ -234,6 +235,14 @@ def _wire_code(wire, dtype) -> np.int32:
 
 
 def _coords(place: AxisPlacement):
+    """The [group, rank] operand. Across processes on CPU a constant [-1, -2]:
+    the handler takes them from what the trace registered for its device,
+    because XLA's CPU runtime starts a custom call with an operand computed
+    in the program only after the independent work beside it, so it could
+    not overlap the exchange with compute (bench/README.md, overlap)."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        # Two different values: XLA would make [-1, -1] a broadcast, computed.
+        return np.array([-1, -2], np.int32)
     return jnp.stack([place.group, place.rank]).astype(jnp.int32)
 
 

@@ -27,6 +27,19 @@ uint64_t Fingerprint(std::initializer_list<int64_t> values) {
   return h;
 }
 
+Status Placement(const std::string& op, int64_t op_id, int device, const int32_t* coords,
+                 int64_t* group, int32_t* rank) {
+  *group = coords[0];
+  *rank = coords[1];
+  if (*group >= 0 || TcpRankOf(op_id, device, group, rank)) return Status::Ok();
+  return Status(Code::kInvalidArgument,
+                "jaxcomm " + op + ": no [group, rank] registered for device " +
+                    std::to_string(device) + " of this process at call site " +
+                    std::to_string(op_id) +
+                    ": the program's devices are not in the order the trace assumed "
+                    "(jax.devices(), or the mesh of jax.set_mesh)");
+}
+
 bool CrossesProcesses(const CallSite& site) {
   return FindTcpEndpoint(site.op_id, site.group, site.rank) != nullptr;
 }

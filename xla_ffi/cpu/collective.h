@@ -48,4 +48,9 @@ bool CrossesProcesses(const CallSite& site);
 
 uint64_t Fingerprint(std::initializer_list<int64_t> values);
 
+// The [group, rank] of a call: the coords operand, or, where its group is
+// negative (across processes), what Python registered for this device at trace time.
+Status Placement(const std::string& op, int64_t op_id, int device, const int32_t* coords,
+                 int64_t* group, int32_t* rank);
+
 }  // namespace jaxcomm::cpu

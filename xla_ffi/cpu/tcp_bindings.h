@@ -39,6 +39,10 @@ inline void DefineTcpFunctions(pybind11::module_& m) {
       },
       py::arg("op_id"), py::arg("group"), py::arg("peers"),
       "Every rank's (host, port) of one group of call site op_id, in rank order.");
+  m.def("tcp_set_rank", &TcpSetRank, py::arg("op_id"), py::arg("device"), py::arg("group"),
+        py::arg("rank"),
+        "The [group, rank] of this process's device `device` (ordinal) at call site op_id, "
+        "for calls whose coords operand has a negative group.");
   m.def("tcp_forget", &TcpForget, py::arg("op_id"), "Closes the sockets of call site op_id.");
 }
 

@@ -26,6 +26,9 @@ struct Hello {
   int64_t group;
 };
 constexpr uint32_t kMagic = 0x4a58434d;  // "JXCM"
+// A header with this fingerprint is a failing rank's last word: its reason,
+// `bytes` long, instead of a message, so the peers report the first cause.
+constexpr uint64_t kFailed = ~0ull;
 
 // What precedes every message. The ranks of a call agree on all of it; a
 // message left over from a call that failed halfway is caught by its numbers.
@@ -159,7 +162,23 @@ std::string TcpEndpoint::Peer(int rank) const {
 
 void TcpEndpoint::Fail(const std::string& reason) {
   if (failure_.empty()) failure_ = reason;
+  for (const auto& [rank, fd] : to_) {
+    if (mid_message_.count(rank)) continue;  // the peer would read it as data
+    std::string notice(sizeof(Header), '\0');
+    const Header header{kFailed, reason.size(), 0, 0};
+    std::memcpy(notice.data(), &header, sizeof(header));
+    notice += reason;
+    (void)!send(fd, notice.data(), notice.size(), MSG_DONTWAIT | MSG_NOSIGNAL);  // best effort
+  }
   CloseConnections();
+}
+
+void TcpEndpoint::SetMidMessage(int rank, bool midway) {
+  if (midway) {
+    mid_message_.insert(rank);
+  } else {
+    mid_message_.erase(rank);
+  }
 }
 
 void TcpEndpoint::CloseConnections() {
@@ -167,6 +186,7 @@ void TcpEndpoint::CloseConnections() {
     for (auto& [rank, fd] : *m) close(fd);
     m->clear();
   }
+  mid_message_.clear();
 }
 
 Status TcpEndpoint::SocketTo(int rank, Clock::time_point deadline, int* fd) {
@@ -201,7 +221,12 @@ Status TcpEndpoint::AcceptOne(Clock::time_point deadline) {
   pollfd p{listen_fd_, POLLIN, 0};
   if (poll(&p, 1, MillisLeft(deadline)) == 0) return Error(Code::kDeadlineExceeded, "");
   const int s = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-  if (s < 0) return Status::Ok();  // the peer gave up already; wait for the next
+  if (s < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED || errno == EINTR) {
+      return Status::Ok();  // the peer gave up already; wait for the next
+    }
+    return Error(Code::kInternal, "jaxcomm: cannot accept connections: " + Errno(errno));
+  }
   Hello hello{};
   Status st =
       Full(s, reinterpret_cast<char*>(&hello), sizeof(hello), false, deadline, "a connecting peer");
@@ -224,11 +249,13 @@ Status TcpEndpoint::SocketFrom(int rank, Clock::time_point deadline, int* fd) {
   }
   const Clock::time_point start = Clock::now();
   while (from_.find(rank) == from_.end()) {
-    if (!AcceptOne(deadline).ok()) {
+    Status st = AcceptOne(deadline);
+    if (st.code() == Code::kDeadlineExceeded) {
       return Error(Code::kDeadlineExceeded, Peer(rank) + " did not connect within " +
                                                 SecondsText(Clock::now() - start) +
                                                 "; is its process running this collective?");
     }
+    JAXCOMM_RETURN_IF_ERROR(st);
   }
   *fd = from_[rank];
   return Status::Ok();
@@ -277,10 +304,34 @@ Status TcpSetPeers(int64_t op_id, int64_t group, const std::vector<TcpAddress>& 
   return Status::Ok();
 }
 
+namespace {
+std::map<std::pair<int64_t, int>, std::pair<int64_t, int>>& Ranks() {
+  static auto* ranks = new std::map<std::pair<int64_t, int>, std::pair<int64_t, int>>();
+  return *ranks;
+}
+}  // namespace
+
+void TcpSetRank(int64_t op_id, int device, int64_t group, int rank) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Ranks()[{op_id, device}] = {group, rank};
+}
+
+bool TcpRankOf(int64_t op_id, int device, int64_t* group, int32_t* rank) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Ranks().find({op_id, device});
+  if (it == Ranks().end()) return false;
+  *group = it->second.first;
+  *rank = it->second.second;
+  return true;
+}
+
 void TcpForget(int64_t op_id) {
   std::lock_guard<std::mutex> lock(registry_mu);
   for (auto it = Endpoints().begin(); it != Endpoints().end();) {
     it = it->first.op_id == op_id ? Endpoints().erase(it) : std::next(it);
+  }
+  for (auto it = Ranks().begin(); it != Ranks().end();) {
+    it = it->first.first == op_id ? Ranks().erase(it) : std::next(it);
   }
 }
 
@@ -341,6 +392,12 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
   Stream out{out_fd, reinterpret_cast<char*>(&out_header),
              const_cast<char*>(static_cast<const char*>(send)), send_bytes};
   Stream in{in_fd, reinterpret_cast<char*>(&in_header), static_cast<char*>(recv), recv_bytes};
+  struct MidMessage {  // records, however this returns, whether `out` stopped partway
+    TcpEndpoint& endpoint;
+    int rank;
+    const Stream& out;
+    ~MidMessage() { endpoint.SetMidMessage(rank, out.done != 0 && !out.finished()); }
+  } mid_message{endpoint_, to_rank, out};
   const Clock::duration patience = Timeout();
   while (!out.finished() || !in.finished()) {
     pollfd p[2];
@@ -375,6 +432,14 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
                           (k == 0 ? std::string("it failed or stopped") : Errno(errno)) + ")");
       }
       if (k > 0) in.done += static_cast<size_t>(k);
+      if (before < sizeof(Header) && in.done >= sizeof(Header) &&
+          in_header.fingerprint == kFailed) {
+        std::string reason(std::min<uint64_t>(in_header.bytes, 4096), '\0');
+        (void)Full(in.fd, reason.data(), reason.size(), false,
+                   Clock::now() + std::chrono::seconds(1), endpoint_.Peer(from_rank));
+        return Status(Code::kAborted,
+                      call_ + ": " + endpoint_.Peer(from_rank) + " failed: " + reason.c_str());
+      }
       if (before < sizeof(Header) && in.done >= sizeof(Header) && !(in_header == expected)) {
         return Status(Code::kInvalidArgument, call_ + ": " + Mismatch(in_header, expected) +
                                                   " from " + endpoint_.Peer(from_rank));

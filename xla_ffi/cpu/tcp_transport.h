@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,8 @@ class TcpEndpoint {
   // ranks no longer agree on where their message streams stand, so later
   // calls of this call site fail at once with `reason`.
   void Fail(const std::string& reason);
+  // Whether the last message to `rank` stopped partway (then Fail sends no notice).
+  void SetMidMessage(int rank, bool midway);
   const std::string& failure() const { return failure_; }
 
   std::timed_mutex& call_mu() { return call_mu_; }
@@ -72,6 +75,7 @@ class TcpEndpoint {
   const TcpAddress self_;
   std::vector<TcpAddress> peers_;
   std::map<int, int> to_, from_;  // peer rank -> socket
+  std::set<int> mid_message_;     // peers whose last message stopped partway
   std::timed_mutex call_mu_;
   uint64_t calls_ = 0;
   std::string failure_;
@@ -82,6 +86,13 @@ class TcpEndpoint {
 Status TcpListen(int64_t op_id, int64_t group, int rank, const std::string& host, int* port);
 // Every rank's address for (op_id, group), in rank order.
 Status TcpSetPeers(int64_t op_id, int64_t group, const std::vector<TcpAddress>& peers);
+// Which [group, rank] device `device` (its ordinal in this process) holds at
+// call site `op_id`. Across processes the handlers take it from here rather
+// than from an operand: XLA's CPU runtime starts a custom call whose operands
+// are computed in the program only after the independent work it was ready
+// beside, so an operand-free call is what lets the exchange overlap compute.
+void TcpSetRank(int64_t op_id, int device, int64_t group, int rank);
+bool TcpRankOf(int64_t op_id, int device, int64_t* group, int32_t* rank);
 // Closes the sockets of call site `op_id` (a test's cleanup).
 void TcpForget(int64_t op_id);
 // Whether some rank of call site `op_id` listens in this process.
