@@ -399,6 +399,7 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
     ~MidMessage() { endpoint.SetMidMessage(rank, out.done != 0 && !out.finished()); }
   } mid_message{endpoint_, to_rank, out};
   const Clock::duration patience = Timeout();
+  bool grace_used = false;
   while (!out.finished() || !in.finished()) {
     pollfd p[2];
     int n = 0;
@@ -406,6 +407,14 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
     if (!in.finished()) p[n++] = {in.fd, POLLIN, 0};
     const int ready = poll(p, n, MillisLeft(Clock::now() + patience));
     if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0 && !in.finished() && !grace_used) {
+      // The peer that stalled may itself be timing out on its own upstream
+      // just now: give its failure notice a moment to arrive, so the error
+      // names the first cause rather than the nearest rank.
+      grace_used = true;
+      pollfd last{in.fd, POLLIN, 0};
+      if (poll(&last, 1, 500) == 1) continue;
+    }
     if (ready == 0) {
       const std::string what = !in.finished() ? endpoint_.Peer(from_rank) + " sent nothing"
                                               : endpoint_.Peer(to_rank) + " took nothing";
