@@ -254,6 +254,10 @@ TRAIN_CONFIGS = (
     "fp8",
     "fp8_ef",
     "powersgd_r4",
+    # The same over jaxcomm's ffi collectives (TCP between processes).
+    "allreduce_ffi",
+    "double_buffering_ffi",
+    "chunk_sparse_ffi",
 )
 
 
@@ -279,15 +283,16 @@ def gradient_exchange(config: str, inner):
     }
     if config == "dense":
         return None
+    config, ffi, _ = config.partition("_ffi")
+    backend = "ffi" if ffi else "xla"
     if config in options:
         return optax.chain(
-            jaxcomm.allreduce_gradients(AXES, backend="xla", **options[config]), inner
+            jaxcomm.allreduce_gradients(AXES, backend=backend, **options[config]), inner
         )
     if config == "powersgd_r4":
         return optax.chain(jaxcomm.powersgd(AXES, rank=4, backend="xla"), inner)
     wire = fp16 if config == "chunk_sparse_fp16" else None
-    # ffi runs in one process only; xla is the cross-process backend.
-    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend="xla")
+    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend=backend)
 
 
 def train_step(tx, inner):

@@ -5,7 +5,8 @@ what its handler needs to find its peers: on CPU, and on GPU with a jaxlib
 older than 0.11, an op id, unique per call site and equal on every device
 (all devices run the same program; in one process the handler adds the
 execution's RunId, across processes on CPU it reaches every rank over TCP
-at the address published for it at trace time);
+at the address published for it at trace time, and takes its own
+[group, rank] from what the trace registered for its device);
 on GPU with a jaxlib that lends handlers XLA's own communicators, the
 call's device groups, from which XLA picks the NCCL communicator.
 """
