@@ -96,7 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--rate", help="link rate(s), comma-separated: 100mbit,1gbit,10gbit (default 100mbit)"
     )
     parser.add_argument("--sizes-mib", help="allreduce sizes per device (default 1,4,16,64)")
-    parser.add_argument("--paths", help="allreduce paths (default auto,ring,hierarchical)")
+    parser.add_argument(
+        "--paths",
+        help="allreduce paths (default auto,ring,hierarchical; overlap: auto, or auto,ffi)",
+    )
     parser.add_argument("--wires", help="wire dtypes (default float32,float16,bfloat16)")
     parser.add_argument("--repeats", type=int, help="timed calls per allreduce (default 3)")
     parser.add_argument("--configs", help=f"training configurations (default {ALL_CONFIGS})")
@@ -111,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, help=argparse.SUPPRESS)  # tests: teardown
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
+    if args.workload == "overlap" and args.paths is None:
+        args.paths = "auto"  # lax.psum; add ffi to compare jaxcomm's allreduce
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -119,7 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     for flag, given, known in (
-        ("--paths", args.paths, network_worker.PATHS),
+        (
+            "--paths",
+            args.paths,
+            network_worker.OVERLAP_PATHS if args.workload == "overlap" else network_worker.PATHS,
+        ),
         ("--wires", args.wires, network_worker.WIRES),
         ("--configs", args.configs, network_worker.TRAIN_CONFIGS),
     ):
@@ -205,11 +214,13 @@ def table(rows: list[dict], workload: str) -> str:
                 lines.append(f"{r['config']:<19}  {r.get('error')}")
         return "\n".join(lines)
     if workload == "overlap":
-        lines = [f"{'size':>9}{'compute s':>11}{'allreduce s':>13}{'both s':>9}{'overlap':>9}"]
+        lines = [
+            f"{'path':<6}{'size':>9}{'compute s':>11}{'allreduce s':>13}{'both s':>9}{'overlap':>9}"
+        ]
         for r in rows:
             lines.append(
-                f"{r['bytes'] / 2**20:>5g} MiB{r['compute_s']:>11.3f}{r['allreduce_s']:>13.3f}"
-                f"{r['both_s']:>9.3f}{r['overlap']:>9.2f}"
+                f"{r['path']:<6}{r['bytes'] / 2**20:>5g} MiB{r['compute_s']:>11.3f}"
+                f"{r['allreduce_s']:>13.3f}{r['both_s']:>9.3f}{r['overlap']:>9.2f}"
             )
         return "\n".join(lines)
     lines = [f"{'path':<13}{'wire':<10}{'max error / bound':>18}"]

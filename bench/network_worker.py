@@ -38,6 +38,9 @@ import time
 ROW_PREFIX = "@row "
 MIB = 1 << 20
 PATHS = ("auto", "ring", "hierarchical")  # jaxcomm.allreduce algorithms, xla backend
+# The overlap workload's collectives: lax.psum (gloo, blocks XLA's thread) or
+# jaxcomm's ffi allreduce (TCP behind a future, XLA computes meanwhile).
+OVERLAP_PATHS = ("auto", "ffi")
 WIRES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -251,6 +254,10 @@ TRAIN_CONFIGS = (
     "fp8",
     "fp8_ef",
     "powersgd_r4",
+    # The same over jaxcomm's ffi collectives (TCP between processes).
+    "allreduce_ffi",
+    "double_buffering_ffi",
+    "chunk_sparse_ffi",
 )
 
 
@@ -276,15 +283,16 @@ def gradient_exchange(config: str, inner):
     }
     if config == "dense":
         return None
+    config, ffi, _ = config.partition("_ffi")
+    backend = "ffi" if ffi else "xla"
     if config in options:
         return optax.chain(
-            jaxcomm.allreduce_gradients(AXES, backend="xla", **options[config]), inner
+            jaxcomm.allreduce_gradients(AXES, backend=backend, **options[config]), inner
         )
     if config == "powersgd_r4":
         return optax.chain(jaxcomm.powersgd(AXES, rank=4, backend="xla"), inner)
     wire = fp16 if config == "chunk_sparse_fp16" else None
-    # ffi runs in one process only; xla is the cross-process backend.
-    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend="xla")
+    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend=backend)
 
 
 def train_step(tx, inner):
@@ -399,10 +407,8 @@ def run_train(args):
 
 
 def run_overlap(args):
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import PartitionSpec as P
 
     mesh = host_mesh()
     n = int(float(args.sizes_mib.split(",")[0]) * MIB) // 4
@@ -416,7 +422,19 @@ def run_overlap(args):
             m = jnp.tanh(m @ m)
         return m.reshape(-1)
 
+    for path in args.paths.split(","):
+        emit(overlap_row(args, mesh, x, a, n, width, compute, path))
+
+
+def overlap_row(args, mesh, x, a, n, width, compute, path: str) -> dict:
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
     def reduce(v):
+        if path == "ffi":
+            return jaxcomm.allreduce(v, AXES, backend="ffi")
         return jax.lax.psum(v, AXES)
 
     bodies = {
@@ -424,23 +442,35 @@ def run_overlap(args):
         "allreduce": lambda v, m: (reduce(v), m),
         "both": lambda v, m: (reduce(v), compute(m)),
     }
-    row = {"hosts": mesh.devices.shape[0], "devices": mesh.size, "bytes": n * 4, "width": width}
-    for name, body in bodies.items():
-        run = jax.jit(
+    row = {
+        "path": path,
+        "hosts": mesh.devices.shape[0],
+        "devices": mesh.size,
+        "bytes": n * 4,
+        "width": width,
+    }
+    runs = {
+        name: jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=P(AXES))
         )
+        for name, body in bodies.items()
+    }
+    for run in runs.values():
         jax.block_until_ready(run(x, a))  # compile and warm up
-        times = []
-        for _ in range(args.repeats):
+    # Round-robin, so that a change in the machine's load hits all three alike.
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
             start = time.perf_counter()
             jax.block_until_ready(run(x, a))
-            times.append(time.perf_counter() - start)
-        row[f"{name}_s"] = statistics.median(times)
-        progress(f"overlap: {name} {row[f'{name}_s']:.3f} s")
+            times[name].append(time.perf_counter() - start)
+    for name in runs:
+        row[f"{name}_s"] = statistics.median(times[name])
+        progress(f"overlap {path}: {name} {row[f'{name}_s']:.3f} s")
     # 1: both ran fully at once (max of the two); 0: one after the other (sum).
     saved = row["compute_s"] + row["allreduce_s"] - row["both_s"]
     row["overlap"] = saved / min(row["compute_s"], row["allreduce_s"])
-    emit(row)
+    return row
 
 
 def main(argv=None):

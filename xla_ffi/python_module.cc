@@ -7,6 +7,7 @@
 #include "cpu/handlers.h"
 #include "cpu/rendezvous.h"
 #include "cpu/stats.h"
+#include "cpu/tcp_bindings.h"
 
 namespace py = pybind11;
 
@@ -45,6 +46,7 @@ PYBIND11_MODULE(_ffi, m) {
       "[(device_ordinal, bytes_sent, calls)] for devices that ran a CPU collective.");
   m.def("reset_stats", &ResetStats);
   m.def("set_timeout", &SetTimeoutSeconds, py::arg("seconds"));
+  DefineTcpFunctions(m);
   m.def("get_timeout", &TimeoutSeconds);
   m.def(
       "live_slots",

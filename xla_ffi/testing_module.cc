@@ -27,6 +27,7 @@
 #include "cpu/collective.h"
 #include "cpu/direct.h"
 #include "cpu/rendezvous.h"
+#include "cpu/tcp_bindings.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace py = pybind11;
@@ -167,6 +168,7 @@ PYBIND11_MODULE(_ffi_testing, m) {
         py::arg("wire") = -1, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("intra_size") = 1, py::arg("absent") = std::vector<int>{});
   m.def("set_timeout", &SetTimeoutSeconds, py::arg("seconds"));
+  DefineTcpFunctions(m);
   m.def("get_timeout", &TimeoutSeconds);
   m.def(
       "live_slots", [] { return Registry::Get().live_slots() + LiveDirectSlots(); },

@@ -31,7 +31,8 @@ def resolve_backend(backend: str, *, masked: bool = False, fp8: bool = False) ->
     sends just the selected chunks without a static bound."""
     backend = known_backend(backend, masked=masked, fp8=fp8)
     if backend == "auto":
-        # The CPU transport meets devices inside one process only. On GPU the
+        # Across processes on CPU the ffi handlers run over TCP, which has not
+        # been compared with gloo widely enough to be the default. On GPU the
         # CUDA handlers have run on one GPU only (tools/gpu_check.sh), never
         # across GPUs, so 'auto' does not choose them: xla packs under a bound.
         single = jax.process_count() == 1

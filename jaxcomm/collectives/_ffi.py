@@ -3,7 +3,10 @@
 Each call carries an int32 [group, rank] operand from `lax.axis_index`, and
 what its handler needs to find its peers: on CPU, and on GPU with a jaxlib
 older than 0.11, an op id, unique per call site and equal on every device
-(all devices run the same program; the handler adds the execution's RunId);
+(all devices run the same program; in one process the handler adds the
+execution's RunId, across processes on CPU it reaches every rank over TCP
+at the address published for it at trace time, and takes its own
+[group, rank] from what the trace registered for its device);
 on GPU with a jaxlib that lends handlers XLA's own communicators, the
 call's device groups, from which XLA picks the NCCL communicator.
 """
@@ -114,18 +117,69 @@ def _peers(x, place: AxisPlacement) -> dict:
     XLA's communicators, else a fresh call-site id."""
     if _on_xla_communicators():
         return {"groups": device_groups(x, place).ravel()}
-    return {"op_id": _op_id(place)}
+    return {"op_id": _op_id(x, place)}
 
 
-def _op_id(place: AxisPlacement) -> np.int64:
-    """A fresh call-site id. On GPU with several processes, also shares one
-    NCCL unique id per group of this site through the jax.distributed
-    key-value store, before the first call needs it. Every process traces
-    the same program, so the counters agree across processes."""
+def _op_id(x, place: AxisPlacement) -> np.int64:
+    """A fresh call-site id. With several processes, also shares what the
+    handlers need to reach the other processes through the jax.distributed
+    key-value store, before the first call needs it: one NCCL unique id per
+    group on GPU, every device-rank's TCP address on CPU. Every process
+    traces the same program, so the counters agree across processes."""
     op_id = next(_op_ids)
-    if jax.process_count() > 1 and jax.default_backend() == "gpu" and available("gpu"):
-        _share_nccl_ids(op_id, jax.device_count() // place.size)
+    if jax.process_count() > 1:
+        if jax.default_backend() == "gpu" and available("gpu"):
+            _share_nccl_ids(op_id, jax.device_count() // place.size)
+        elif jax.default_backend() == "cpu":
+            _share_tcp_addresses(op_id, x, place)
     return np.int64(op_id)
+
+
+def _program_devices() -> list:
+    """The devices as :func:`device_groups` numbers them. Under ``jit`` the
+    trace sees only the abstract mesh; its devices are known when set with
+    ``jax.set_mesh``, else taken in ``jax.devices()`` order, the order of
+    ``jax.make_mesh`` and ``jaxcomm.distributed.hierarchical_mesh`` on CPU.
+    A rank that runs elsewhere fails with a clear error (no address was
+    published for it there)."""
+    from jax._src.mesh import get_concrete_mesh  # no public API while tracing
+
+    mesh = get_concrete_mesh()
+    return jax.devices() if mesh is None or mesh.empty else list(mesh.devices.flat)
+
+
+def _share_tcp_addresses(op_id: int, x, place: AxisPlacement) -> None:
+    """Every device-rank of call site ``op_id`` in this process listens on a
+    socket of its own, on the address this job's collectives use (gloo's,
+    never every interface), and publishes it; every process registers all
+    ranks' addresses of the groups it takes part in with the handler. Ranks
+    of one process reach each other over TCP too (loopback)."""
+    from jax._src.distributed import global_state  # the coordinator jax.distributed uses
+
+    from jaxcomm.distributed.exchange import Exchange
+    from jaxcomm.distributed.network import collective_address
+
+    ext = _extension()
+    exchange = Exchange.open(f"tcp/{op_id}", max(ext.get_timeout(), 1.0))
+    if exchange is None:
+        raise RuntimeError(
+            "backend='ffi' on several CPU processes needs jax.distributed.initialize"
+        )
+    host = collective_address(global_state.coordinator_address)
+    devices = _program_devices()
+    own = {}
+    for group, row in enumerate(device_groups(x, place)):
+        for rank, device in enumerate(row):
+            if devices[device].process_index == exchange.process_id:
+                own[f"{group}/{rank}"] = [host, ext.tcp_listen(op_id, group, rank, host)]
+                ext.tcp_set_rank(op_id, devices[device].id, group, rank)  # the FFI DeviceOrdinal
+    everyone, _ = exchange.gather(
+        own, what="the addresses of their ffi collectives", caller="the same program"
+    )
+    addresses = {key: value for values in everyone.values() for key, value in values.items()}
+    for group in sorted({int(key.partition("/")[0]) for key in own}):
+        peers = [tuple(addresses[f"{group}/{rank}"]) for rank in range(place.size)]
+        ext.tcp_set_peers(op_id, group, peers)
 
 
 def _share_nccl_ids(op_id: int, ngroups: int, timeout_s: float = 300) -> None:
@@ -182,6 +236,14 @@ def _wire_code(wire, dtype) -> np.int32:
 
 
 def _coords(place: AxisPlacement):
+    """The [group, rank] operand. Across processes on CPU a constant [-1, -2]:
+    the handler takes them from what the trace registered for its device,
+    because XLA's CPU runtime starts a custom call with an operand computed
+    in the program only after the independent work beside it, so it could
+    not overlap the exchange with compute (bench/README.md, overlap)."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        # Two different values: XLA would make [-1, -1] a broadcast, computed.
+        return np.array([-1, -2], np.int32)
     return jnp.stack([place.group, place.rank]).astype(jnp.int32)
 
 

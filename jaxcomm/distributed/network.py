@@ -11,6 +11,9 @@ Process 0 also runs JAX's coordination service: a key-value store and
 heartbeat server without authentication, which JAX binds on every interface
 by default. :func:`resolve_bind_address` binds it where the other processes
 reach it and no wider.
+
+jaxcomm's own CPU collectives across processes (``backend="ffi"``) listen
+where gloo does: :func:`collective_address`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "ENV_COORDINATOR_BIND_ADDRESS",
     "ENV_SOCKET_IFNAME",
     "GlooEndpoint",
+    "collective_address",
     "resolve_bind_address",
     "resolve_interface",
     "use_gloo_endpoint",
@@ -213,6 +217,55 @@ def resolve_bind_address(
     return _host_port(own, port) if own is not None else f"[::]:{port}"
 
 
+# The endpoint use_gloo_endpoint handed to JAX, for collective_address.
+_gloo_endpoint: GlooEndpoint | None = None
+
+
+def _interface_address(interface: str) -> str:
+    """The IPv4 address of a network interface (Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(
+                sock.fileno(), siocgifaddr, struct.pack("256s", interface[:15].encode())
+            )
+        except OSError as error:
+            raise ValueError(f"network interface {interface!r} has no IPv4 address") from error
+    return socket.inet_ntoa(packed[20:24])
+
+
+def collective_address(
+    coordinator_address: str | None, *, environ: Mapping[str, str] | None = None
+) -> str:
+    """The IP address this process's ``ffi`` collectives listen on: where gloo listens.
+
+    In this order: the interface or address given to
+    :func:`jaxcomm.distributed.initialize` (else ``JAXCOMM_SOCKET_IFNAME``);
+    a loopback coordinator's address (``python -m jaxcomm.launch``); else
+    the address this host's name resolves to, as gloo uses by default.
+    Never the wildcard address: only the job's own network is listened on.
+
+    Examples:
+      >>> collective_address("127.0.0.1:1234", environ={})
+      '127.0.0.1'
+      >>> collective_address("head:1234", environ={"JAXCOMM_SOCKET_IFNAME": "127.0.0.1"})
+      '127.0.0.1'
+    """
+    endpoint = _gloo_endpoint or resolve_interface(environ=environ)
+    if endpoint is not None:
+        return endpoint.address or _interface_address(endpoint.interface)
+    host = (coordinator_address or "").rpartition(":")[0].removeprefix("[").removesuffix("]")
+    address = _ip(host)
+    if host == "localhost":
+        return "127.0.0.1"
+    if address is not None and address.is_loopback:
+        return str(address)
+    return socket.gethostbyname(socket.gethostname())
+
+
 def use_gloo_endpoint(endpoint: GlooEndpoint) -> None:
     """Makes JAX's CPU backend create its gloo collectives on ``endpoint``.
 
@@ -236,3 +289,5 @@ def use_gloo_endpoint(endpoint: GlooEndpoint) -> None:
         return xla_bridge.make_cpu_client(collectives=collectives)
 
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    global _gloo_endpoint
+    _gloo_endpoint = endpoint

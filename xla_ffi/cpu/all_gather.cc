@@ -19,13 +19,19 @@ ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
     return CompletedFuture(err);
   }
   const size_t m = x.element_count();
+  int64_t group;
+  int32_t rank;
+  if (Status st = Placement("all_gather", op_id, device, coords.typed_data(), &group, &rank);
+      !st.ok()) {
+    return CompletedFuture(ToError(st));
+  }
   const CallSite site{
       "all_gather",
       run_id.run_id,
       op_id,
       device,
-      coords.typed_data()[0],
-      coords.typed_data()[1],
+      group,
+      rank,
       nranks,
       1,
       Algorithm::kRing,

@@ -125,12 +125,18 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   size_t packed = 0;
   for (const Range& c : chunks) packed += c.size();
 
+  int64_t group;
+  int32_t rank;
+  if (Status st = Placement("allreduce", op_id, device, coords.typed_data(), &group, &rank);
+      !st.ok()) {
+    return CompletedFuture(ToError(st));
+  }
   const CallSite site{"allreduce",
                       run_id.run_id,
                       op_id,
                       device,
-                      coords.typed_data()[0],
-                      coords.typed_data()[1],
+                      group,
+                      rank,
                       nranks,
                       intra_size,
                       static_cast<Algorithm>(algorithm),
@@ -141,7 +147,10 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
-  const Algorithm algo = site.algorithm;
+  // Shared memory does not reach other processes: there the ring runs.
+  const Algorithm algo = site.algorithm == Algorithm::kDirect && CrossesProcesses(site)
+                             ? Algorithm::kRing
+                             : site.algorithm;
   // Only the selected chunks travel: pack them, reduce, unpack; the other
   // chunks keep the local values.
   if (algo == Algorithm::kDirect) {

@@ -11,6 +11,7 @@
 
 #include "algorithm/schedule.h"
 #include "common/algorithm_code.h"
+#include "cpu/cpu_transport.h"
 #include "cpu/rendezvous.h"
 
 namespace jaxcomm::cpu {
@@ -29,16 +30,27 @@ struct CallSite {
 };
 
 // The connected rings of one call: `flat` for ring/direct, `intra` and
-// `inter` for hierarchical. Leaving happens when this is destroyed.
+// `inter` for hierarchical; in-process rendezvous slots, or TCP when the call
+// site has peers in other processes (cpu/tcp_transport.h). Leaving happens
+// when this is destroyed.
 struct Rings {
-  std::unique_ptr<InProcessTransport> flat, intra, inter;
+  std::unique_ptr<CpuTransport> flat, intra, inter;
   uint64_t bytes_sent() const;
 };
 
 // Joins the rings `site` needs, runs `body`, records stats. Every rank runs
-// this; a failure on one rank aborts the slot so the others fail fast too.
+// this; a failure on one rank aborts its rings so the others fail fast too.
 Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& body);
 
+// Whether `site` reaches its peers over TCP (registered from Python when the
+// job has several processes); then shared memory (direct) is not an option.
+bool CrossesProcesses(const CallSite& site);
+
 uint64_t Fingerprint(std::initializer_list<int64_t> values);
+
+// The [group, rank] of a call: the coords operand, or, where its group is
+// negative (across processes), what Python registered for this device at trace time.
+Status Placement(const std::string& op, int64_t op_id, int device, const int32_t* coords,
+                 int64_t* group, int32_t* rank);
 
 }  // namespace jaxcomm::cpu

@@ -22,12 +22,18 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
     return CompletedFuture(err);
   }
   const size_t n = x.element_count();
+  int64_t group;
+  int32_t rank;
+  if (Status st = Placement("reduce_scatter", op_id, device, coords.typed_data(), &group, &rank);
+      !st.ok()) {
+    return CompletedFuture(ToError(st));
+  }
   const CallSite site{"reduce_scatter",
                       run_id.run_id,
                       op_id,
                       device,
-                      coords.typed_data()[0],
-                      coords.typed_data()[1],
+                      group,
+                      rank,
                       nranks,
                       1,
                       Algorithm::kRing,

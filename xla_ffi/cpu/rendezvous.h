@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "common/transport.h"
+#include "cpu/cpu_transport.h"
 
 namespace jaxcomm::cpu {
 
@@ -169,7 +169,7 @@ class Registry {
 };
 
 // A joined slot seen as a Transport for one rank; leaves the slot when destroyed.
-class InProcessTransport final : public Transport {
+class InProcessTransport final : public CpuTransport {
  public:
   InProcessTransport(std::shared_ptr<Slot> slot, int rank, Clock::time_point deadline)
       : slot_(std::move(slot)), rank_(rank), deadline_(deadline) {}
@@ -181,6 +181,7 @@ class InProcessTransport final : public Transport {
   int size() const override { return slot_->nranks(); }
   Status SendRecv(const void* send, size_t send_bytes, int to, void* recv, size_t recv_bytes,
                   int from) override;
+  void Abort(const std::string& reason) override { slot_->Abort(reason); }
 
   Slot& slot() { return *slot_; }
   Clock::time_point deadline() const { return deadline_; }
