@@ -188,17 +188,20 @@ def _batches(mesh):
     ]
 
 
-def _nnx_container_run(config: str):
+def _nnx_container_run(tx, grads=lambda model, optimizer, x, y: _local_grads(model, x, y)):
+    """An nnx.Optimizer with `tx` under jit + shard_map, the state carried by
+    state_specs; `grads` gives this device's gradient. Returns the params,
+    the stats, the specs and the optimizer after the last step."""
     mesh = jax.make_mesh((N,), ("data",))
     model = NnxMLP(nnx.Rngs(0))
     with jax.set_mesh(mesh):
-        optimizer = nnx.Optimizer(model, _tx(config), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     specs = jaxcomm.state_specs(state, "data")
 
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
-        optimizer.update(model, _local_grads(model, x, y))
+        optimizer.update(model, grads(model, optimizer, x, y))
         return nnx.state((model, optimizer))
 
     run = jax.jit(
@@ -213,7 +216,7 @@ def _nnx_container_run(config: str):
     # The optimizer's own opt_state holds nnx variables; get_stats unwraps them too.
     for a, b in zip(jaxcomm.get_stats(optimizer.opt_state), stats, strict=True):
         assert isinstance(a, jax.Array) and np.array_equal(a, b)
-    return jax.tree.map(np.asarray, params), stats
+    return jax.tree.map(np.asarray, params), stats, specs, optimizer
 
 
 def _nnx_functional_run(tx, reduce: str, *, at_local: bool = False):
@@ -259,7 +262,7 @@ def _nnx_functional_run(tx, reduce: str, *, at_local: bool = False):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_nnx_optimizer_with_every_option_in_shard_map(config):
-    ours, stats = _nnx_container_run(config)
+    ours, stats, _, _ = _nnx_container_run(_tx(config))
     want = _nnx_functional_run(_tx(config), "")
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -324,12 +327,17 @@ def _diloco():
 
 
 def test_nnx_optimizer_with_diloco_matches_plain_optax():
-    mesh = jax.make_mesh((N,), ("data",))
-    model = NnxMLP(nnx.Rngs(0))
-    with jax.set_mesh(mesh):
-        optimizer = nnx.Optimizer(model, _diloco(), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    specs = jaxcomm.state_specs(state, "data")
+    def grads_at_local(model, optimizer, x, y):
+        mdef, params, rest = nnx.split(model, nnx.Param, ...)
+        here = jaxcomm.local_params(optimizer.opt_state, like=params)
+
+        def loss(p):
+            logits = nnx.merge(mdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        return jax.grad(loss)(here)
+
+    ours, _, specs, optimizer = _nnx_container_run(_diloco(), grads_at_local)
     row_specs = {
         jax.tree_util.keystr(path): spec
         for path, spec in jax.tree_util.tree_leaves_with_path(
@@ -339,26 +347,6 @@ def test_nnx_optimizer_with_diloco_matches_plain_optax():
     local = [k for k in row_specs if "'local'" in k or "'inner'" in k]
     assert local and all(row_specs[k] == P("data") for k in local)
     assert all(v == P() for k, v in row_specs.items() if k not in local)
-
-    def loss(mdef, p, rest, x, y):
-        logits = nnx.merge(mdef, p, rest)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        mdef, params, rest = nnx.split(model, nnx.Param, ...)
-        here = jaxcomm.local_params(optimizer.opt_state, like=params)
-        optimizer.update(model, jax.grad(lambda p: loss(mdef, p, rest, x, y))(here))
-        return nnx.state((model, optimizer))
-
-    run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs)
-    )
-    state = _put(state, specs, mesh)
-    for x, y in _batches(mesh):
-        state = jax.block_until_ready(run(state, x, y))
-    model, optimizer = nnx.merge(graphdef, state)
-    ours = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     # The same transform on pure pytrees, as docs/diloco.md writes the step.
     want = _nnx_functional_run(_diloco(), "", at_local=True)
