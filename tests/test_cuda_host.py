@@ -194,13 +194,19 @@ def test_cuda_collectives_on_host_ranks_through_the_real_nccl_transport(tmp_path
     through XLA call frames: allreduce sums only the chunks a mask selects,
     reduce_scatter then all_gather give the padded sum, and bad arguments are
     reported with the messages the CPU handlers use."""
-    source = (ROOT / "tests" / "cuda_host" / "own_comms_test.cc").read_text()
+    _run_collective_program(tmp_path_factory, "own_comms_test", OWN_COMMS_SOURCES, xla_comms=0)
+
+
+def _run_collective_program(tmp_path_factory, name, sources, *, xla_comms: int):
+    """Builds tests/cuda_host/<name>.cc with the CUDA handlers on the host
+    device and runs it."""
+    source = (ROOT / "tests" / "cuda_host" / f"{name}.cc").read_text()
     exe = _host_binary(
         tmp_path_factory,
-        "own_comms_test",
+        name,
         source,
-        extra_sources=OWN_COMMS_SOURCES,
-        flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=0", "-pthread"),
+        extra_sources=sources,
+        flags=("-DJAXCOMM_HOST_DEVICE=1", f"-DJAXCOMM_XLA_COMMS={xla_comms}", "-pthread"),
     )
     _run_ok(exe)
 
@@ -240,15 +246,7 @@ def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension
             "(xla/ffi/api/collectives_api.h, jaxlib 0.11 on): the handlers use "
             "jaxcomm's own communicators there"
         )
-    source = (ROOT / "tests" / "cuda_host" / "xla_comms_test.cc").read_text()
-    exe = _host_binary(
-        tmp_path_factory,
-        "xla_comms_test",
-        source,
-        extra_sources=XLA_COMMS_SOURCES,
-        flags=("-DJAXCOMM_HOST_DEVICE=1", "-DJAXCOMM_XLA_COMMS=1", "-pthread"),
-    )
-    _run_ok(exe)
+    _run_collective_program(tmp_path_factory, "xla_comms_test", XLA_COMMS_SOURCES, xla_comms=1)
 
 
 @pytest.mark.parametrize("module", ["_ffi", "_ffi_testing", "_ffi_cuda"])

@@ -115,7 +115,8 @@ def _intra_size(place) -> int:
 
 def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
     """Reduces only the selected chunks of `flat` with the xla backend; the
-    others keep their local values, or zeros (then the result is replicated)."""
+    others keep their local values, or zeros (then the result is replicated).
+    With `max_chunks`, `mask` selects at most that many chunks."""
     n = flat.size
     chunks = jnp.pad(flat, (0, nchunks * chunk_size - n)).reshape(nchunks, chunk_size)
     # Zeros typed as replicated (zeros_like would be varying), so that a zeroed
@@ -130,8 +131,9 @@ def _masked(flat, mask, chunk_size, nchunks, max_chunks, reduce, *, zero=False):
         reduced = reduce(packed.reshape(-1)).reshape(max_chunks, chunk_size)
         # Unpacked by a gather of each chunk's slot, which XLA fuses with the
         # unpadding; a scatter into `rest` would first write a whole pool.
+        # The caller unselected the chunks past the bound, so each selected
+        # chunk has a slot below max_chunks.
         slot = jnp.cumsum(mask, dtype=jnp.int32) - 1
-        packed_here = mask & (slot < max_chunks)
         back = reduced.at[jnp.clip(slot, 0, max_chunks - 1)].get(mode="clip")
-        out = jnp.where(packed_here[:, None], back, rest)
+        out = jnp.where(mask[:, None], back, rest)
     return out.reshape(-1)[:n]
