@@ -191,6 +191,26 @@ def test_nonfinite_step_is_skipped_on_every_device(mesh):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_nonfinite_in_an_exchanged_chunk_skips_the_step(mesh, backend, bad):
+    """Step 0 exchanges every chunk, so a NaN or -inf on one device lands in
+    the averaged chunks: the step is flagged and skipped everywhere, leaving
+    params and state as they were."""
+    grads = random_grads(np.random.default_rng(6), SHAPES, N, 1)
+    grads[0]["b"][5, 2, 3] = bad
+    tx = jaxcomm.chunk_sparse(
+        optax.sgd(LR, momentum=MU), "data", density=0.3, chunk_size=C, backend=backend
+    )
+    params = _params()
+    _, p, s = run_steps(tx, params, grads, mesh)
+    assert s.stats.nonfinite.all()
+    assert (s.count == 0).all() and s.mask.all()
+    np.testing.assert_array_equal(s.residual.value, 0)
+    for name, value in params.items():
+        np.testing.assert_array_equal(p[name], np.broadcast_to(value, p[name].shape))
+
+
 def test_under_pmap_with_mixed_dtypes():
     shapes = {"a": (40,), "b": (30,)}
     rng = np.random.default_rng(5)
