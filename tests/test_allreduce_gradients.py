@@ -185,22 +185,25 @@ def test_double_buffer_holds_each_devices_own_gradient(mesh):
     assert not np.array_equal(state.buffer.value["d_big"][0], state.buffer.value["d_big"][1])
 
 
+def _entry(hlo: str) -> dict[str, str]:
+    """The entry computation of `hlo` (optimized HLO text): each
+    instruction's name and what follows its ``=``."""
+    lines = hlo[hlo.index("\nENTRY ") + 1 :].split("\n}", 1)[0].splitlines()[1:]
+    return dict(re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line).groups() for line in lines)
+
+
 def _entry_ancestors(hlo: str, target: str) -> set[str]:
-    """The instructions of the entry computation of `hlo` (optimized HLO
-    text) that the first instruction containing `target` reads, directly
-    or through others."""
-    entry = hlo[hlo.index("\nENTRY ") + 1 :].split("\n}", 1)[0].splitlines()[1:]
-    operands = {}
-    for line in entry:
-        name, rhs = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line).groups()
-        operands[name] = (set(re.findall(r"%([\w.\-]+)", rhs)), rhs)
-    todo = [next(n for n, (_, rhs) in operands.items() if target in rhs)]
+    """The instructions of the entry computation of `hlo` that the first
+    instruction containing `target` reads, directly or through others."""
+    entry = _entry(hlo)
+    operands = {name: set(re.findall(r"%([\w.\-]+)", rhs)) for name, rhs in entry.items()}
+    todo = [next(n for n, rhs in entry.items() if target in rhs)]
     seen = set()
     while todo:
-        for dep in operands[todo.pop()][0] & operands.keys() - seen:
+        for dep in operands[todo.pop()] & entry.keys() - seen:
             seen.add(dep)
             todo.append(dep)
-    return {operands[n][1] for n in seen}
+    return {entry[n] for n in seen}
 
 
 @pytest.mark.parametrize(
@@ -246,6 +249,40 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backe
         }
         reads[db] = {i >= first_grad for i in sources}
     assert reads == {False: {False, True}, True: {False}}
+
+
+def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
+    """One leaf per bucket: each call's operand is the state's buffer itself
+    (a parameter, seen through a bitcast), not a copy. A copy is work the
+    call must wait for; reducing in place (the result taking the operand's
+    buffer) would need one, since the step does not own its parameters."""
+    tx = jaxcomm.allreduce_gradients(
+        "data", backend="ffi", algorithm="direct", bucket_bytes=0, double_buffering=True
+    )
+    with jax.set_mesh(mesh):
+        state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()})
+    specs = jaxcomm.state_specs(state, "data")
+    f = jax.jit(
+        jax.shard_map(
+            lambda s, g: tx.update(jax.tree.map(lambda x: x[0], g), s),
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=(P(), specs),
+        )
+    )
+    rows = {
+        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in SHAPES.items()
+    }
+    entry = _entry(f.lower(state, rows).compile().as_text())
+    calls = [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+    assert len(calls) == len(SHAPES)
+    for call in calls:
+        operand = re.search(r"custom-call\(%([\w.\-]+)", call).group(1)
+        while "bitcast(" in entry[operand]:
+            operand = re.search(r"bitcast\(%([\w.\-]+)", entry[operand]).group(1)
+        assert "parameter(" in entry[operand], entry[operand]
+        assert "output_to_operand_aliasing" not in call
 
 
 @pytest.mark.parametrize("backend", ["xla", "ffi"])

@@ -190,7 +190,11 @@ def allreduce_gradients(
         else:
             outgoing = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
         leaves, treedef = jax.tree.flatten(outgoing)
-        reduced, payload, count = reduce_in_buckets(leaves, bound, theta, scale_back=scale_back)
+        # The buffer is a parameter of the step: reducing it in place would
+        # copy it first, and the call would wait for the copy.
+        reduced, payload, count = reduce_in_buckets(
+            leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering
+        )
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = _state.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
