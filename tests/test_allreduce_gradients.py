@@ -192,18 +192,44 @@ def _entry(hlo: str) -> dict[str, str]:
     return dict(re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line).groups() for line in lines)
 
 
-def _entry_ancestors(hlo: str, target: str) -> set[str]:
-    """The instructions of the entry computation of `hlo` that the first
-    instruction containing `target` reads, directly or through others."""
-    entry = _entry(hlo)
-    operands = {name: set(re.findall(r"%([\w.\-]+)", rhs)) for name, rhs in entry.items()}
-    todo = [next(n for n, rhs in entry.items() if target in rhs)]
-    seen = set()
+def _ancestors(entry: dict[str, str], name: str) -> set[str]:
+    """The instructions of `entry` (from :func:`_entry`) that instruction
+    `name` reads, directly or through others."""
+    operands = {n: set(re.findall(r"%([\w.\-]+)", rhs)) & entry.keys() for n, rhs in entry.items()}
+    todo, seen = [name], set()
     while todo:
-        for dep in operands[todo.pop()] & entry.keys() - seen:
+        for dep in operands[todo.pop()] - seen:
             seen.add(dep)
             todo.append(dep)
-    return {entry[n] for n in seen}
+    return seen
+
+
+def _compiled_step(tx, mesh):
+    """The entry computation of one compiled update step of `tx` on SHAPES,
+    state carried by state_specs, and the index of the first parameter that
+    is a gradient (parameters are the state's leaves, then the gradient's)."""
+    with jax.set_mesh(mesh):
+        state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()})
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(state, g):
+        return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs)),
+        keep_unused=True,
+    )
+    rows = {
+        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in SHAPES.items()
+    }
+    return _entry(f.lower(state, rows).compile().as_text()), len(jax.tree.leaves(state))
+
+
+def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
+    """For each parameter that instruction `name` reads: is it a gradient?"""
+    params = re.findall(r"parameter\((\d+)\)", " ".join(entry[n] for n in _ancestors(entry, name)))
+    return {int(i) >= first_grad for i in params}
 
 
 @pytest.mark.parametrize(
@@ -215,7 +241,6 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backe
     alone: nothing the step's backward pass produces, so XLA may run it
     under the forward and backward passes. Without double buffering it
     reads the gradient."""
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     reads = {}
     for db in (False, True):
         tx = jaxcomm.allreduce_gradients(
@@ -225,30 +250,30 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backe
             error_feedback=True,
             double_buffering=db,
         )
-        with jax.set_mesh(mesh):
-            state = tx.init(params)
-        specs = jaxcomm.state_specs(state, "data")
-
-        def step(state, g, tx=tx):
-            return tx.update(jax.tree.map(lambda x: x[0], g), state)
-
-        f = jax.jit(
-            jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs)),
-            keep_unused=True,
-        )
-        rows = {
-            k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-            for k, s in SHAPES.items()
-        }
-        hlo = f.lower(state, rows).compile().as_text()
-        # Parameters in argument order: the state's leaves, then the gradient's.
-        first_grad = len(jax.tree.leaves(state))
-        sources = {
-            int(m)
-            for m in re.findall(r"parameter\((\d+)\)", " ".join(_entry_ancestors(hlo, collective)))
-        }
-        reads[db] = {i >= first_grad for i in sources}
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if collective in rhs]
+        reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
     assert reads == {False: {False, True}, True: {False}}
+
+
+def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
+    """ffi on CPU: the collective's only reader is a jaxcomm_after call that
+    also takes the step's gradient, so everything that reads the reduced
+    gradient comes after the backward pass (and XLA cannot lend the result's
+    memory to it, which would make the backward pass wait for the
+    collective). Without double buffering there is nothing to hold."""
+    for db in (False, True):
+        tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+        assert len(calls) == len(SHAPES)
+        for call in calls:
+            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(call)}\b", rhs)]
+            held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
+            assert held == (readers[:1] if db else []) and len(readers) >= 1
+            if db:
+                assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
+                assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
 
 
 def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):

@@ -249,6 +249,16 @@ class BoundReduction(NamedTuple):
         sizes = tuple(int(np.size(p)) for p in parts)
         return _allreduce.allreduce(self, flat, in_place=in_place or len(parts) > 1, parts=sizes)
 
+    def after(self, x, deps):
+        """`x`, read only once every array in `deps` exists. ffi on CPU holds
+        it behind a call that waits for them (XLA's CPU pipeline drops
+        optimization barriers): otherwise XLA puts x's readers as early as
+        they can go and lends the memory they free to the work in between,
+        which then waits for x. Elsewhere `x` as it is."""
+        if self.backend == "ffi" and jax.default_backend() == "cpu":
+            return _ffi.after(x, deps)
+        return x
+
     def exchange(self, x, mask, *, max_chunks: int):
         """Reduces the chunks of flat `x` selected by `mask`, zeros elsewhere
         (the same on every device); returns (result, payload bytes this device

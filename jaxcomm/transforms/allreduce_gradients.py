@@ -190,10 +190,16 @@ def allreduce_gradients(
         else:
             outgoing = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
         leaves, treedef = jax.tree.flatten(outgoing)
+        after = ()
+        if double_buffering:
+            # The result is applied after this step's backward pass; read
+            # earlier, its memory would be lent to the forward and backward
+            # passes, and they would wait for the collective.
+            after = [bound.after(jnp.zeros((), jnp.int32), jax.tree.leaves(updates))]
         # The buffer is a parameter of the step: reducing it in place would
         # copy it first, and the call would wait for the copy.
         reduced, payload, count = reduce_in_buckets(
-            leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering
+            leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering, after=after
         )
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = _state.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
