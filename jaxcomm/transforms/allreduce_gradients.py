@@ -99,8 +99,13 @@ def allreduce_gradients(
         backward passes. That needs a backend whose collective does not
         block a compute thread: ``backend="ffi"`` on CPU (its handler
         returns a future; XLA's gloo collectives block); on GPU,
-        asynchronous collectives. Step 0 reduces the zero buffer (a real
-        collective, counted in the stats). The stats and the non-finite
+        asynchronous collectives. On ffi/CPU the result is read only once
+        the step's gradient exists, so XLA does not lend its memory to the
+        forward and backward passes (which would make them wait for the
+        collective). Buckets of several leaves are packed from the buffer
+        at the start of the step, a copy the forward pass may wait behind:
+        ``bucket_bytes=0`` avoids it (bench/README.md). Step 0 reduces the
+        zero buffer (a real collective, counted in the stats). The stats and the non-finite
         flag describe the returned gradient. With error feedback the
         residual takes the buffer's cast error one step later, once the
         reduction says whether it was finite, so residuals and results
