@@ -258,6 +258,9 @@ TRAIN_CONFIGS = (
     "allreduce_ffi",
     "double_buffering_ffi",
     "chunk_sparse_ffi",
+    "unfused_ffi",
+    "double_buffering_unfused_ffi",
+    "compute",
 )
 
 
@@ -278,10 +281,12 @@ def gradient_exchange(config: str, inner):
         "fusion": {"bucket_bytes": math.inf},
         "hierarchical": {"algorithm": "hierarchical"},
         "double_buffering": {"double_buffering": True},
+        "unfused": {"bucket_bytes": 0},
+        "double_buffering_unfused": {"double_buffering": True, "bucket_bytes": 0},
         "fp8": {"wire_dtype": jnp.float8_e4m3fn},
         "fp8_ef": {"wire_dtype": jnp.float8_e4m3fn, "error_feedback": True},
     }
-    if config == "dense":
+    if config in ("dense", "compute"):
         return None
     config, ffi, _ = config.partition("_ffi")
     backend = "ffi" if ffi else "xla"
@@ -295,7 +300,7 @@ def gradient_exchange(config: str, inner):
     return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend=backend)
 
 
-def train_step(tx, inner):
+def train_step(tx, inner, communicate=True):
     """The step of one configuration: local gradients, exchange, update."""
     import jax
     import optax
@@ -313,7 +318,7 @@ def train_step(tx, inner):
         # communication of the step.
         loss, grads = jaxcomm.local_value_and_grad(loss_fn, AXES)(params, x, y)
         if tx is None:
-            grads = jax.lax.pmean(grads, AXES)
+            grads = jax.lax.pmean(grads, AXES) if communicate else grads
             updates, opt_state = inner.update(grads, opt_state, params)
         else:
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -378,13 +383,15 @@ def run_train(args):
                 jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),), out_specs=specs)
             )
             opt_state = init(params0)
-            step = train_step(tx, inner)
+            step = train_step(tx, inner, communicate=config != "compute")
             run = jax.jit(
                 jax.shard_map(
                     step,
                     mesh=mesh,
                     in_specs=(P(), specs, P(AXES), P(AXES)),
                     out_specs=(P(), specs, P()),
+                    # compute: each device keeps its own update (no exchange).
+                    check_vma=config != "compute",
                 )
             )
             params = params0
@@ -393,7 +400,15 @@ def run_train(args):
                 x, y = batches[i % len(batches)]
                 start = time.perf_counter()
                 # One step in flight: overlapping CPU collectives can abort.
-                params, opt_state, loss = jax.block_until_ready(run(params, opt_state, x, y))
+                # A trace of host 0's last step, to see what ran when (thunks).
+                profile = os.environ.get("JAXCOMM_BENCH_PROFILE")
+                if profile and i == args.steps and jax.process_index() == 0:
+                    with jax.profiler.trace(f"{profile}/{config}", create_perfetto_trace=True):
+                        params, opt_state, loss = jax.block_until_ready(
+                            run(params, opt_state, x, y)
+                        )
+                else:
+                    params, opt_state, loss = jax.block_until_ready(run(params, opt_state, x, y))
                 if i:
                     times.append(time.perf_counter() - start)
                 losses.append(float(loss))

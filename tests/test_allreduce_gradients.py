@@ -166,6 +166,150 @@ def test_double_buffering_is_dense_shifted_by_one_step(mesh, backend, wire):
             np.testing.assert_array_equal(u_db[t][k], u_dense[t - 1][k])
 
 
+def test_double_buffer_holds_each_devices_own_gradient(mesh):
+    """The buffer is per device: after the last step each row is that
+    device's gradient plus the residual folded into it, and the residual is
+    the one the run without double buffering holds one step earlier."""
+    grads = _grads(steps=4)
+    opts = dict(wire_dtype=jnp.float16, error_feedback=True)
+    _, _, state = run_steps(
+        jaxcomm.allreduce_gradients("data", double_buffering=True, **opts), _params(), grads, mesh
+    )
+    _, _, earlier = run_steps(
+        jaxcomm.allreduce_gradients("data", **opts), _params(), grads[:-1], mesh
+    )
+    for k in SHAPES:
+        residual = earlier.residual.value[k][:, 0]
+        np.testing.assert_array_equal(state.residual.value[k][:, 0], residual)
+        np.testing.assert_array_equal(state.buffer.value[k][:, 0], grads[-1][k] + residual)
+    assert not np.array_equal(state.buffer.value["d_big"][0], state.buffer.value["d_big"][1])
+
+
+def _entry(hlo: str) -> dict[str, str]:
+    """The entry computation of `hlo` (optimized HLO text): each
+    instruction's name and what follows its ``=``."""
+    lines = hlo[hlo.index("\nENTRY ") + 1 :].split("\n}", 1)[0].splitlines()[1:]
+    return dict(re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line).groups() for line in lines)
+
+
+def _ancestors(entry: dict[str, str], name: str) -> set[str]:
+    """The instructions of `entry` (from :func:`_entry`) that instruction
+    `name` reads, directly or through others."""
+    operands = {n: set(re.findall(r"%([\w.\-]+)", rhs)) & entry.keys() for n, rhs in entry.items()}
+    todo, seen = [name], set()
+    while todo:
+        for dep in operands[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def _compiled_step(tx, mesh):
+    """The entry computation of one compiled update step of `tx` on SHAPES,
+    state carried by state_specs, and the index of the first parameter that
+    is a gradient (parameters are the state's leaves, then the gradient's)."""
+    with jax.set_mesh(mesh):
+        state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()})
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(state, g):
+        return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs)),
+        keep_unused=True,
+    )
+    rows = {
+        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in SHAPES.items()
+    }
+    return _entry(f.lower(state, rows).compile().as_text()), len(jax.tree.leaves(state))
+
+
+def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
+    """For each parameter that instruction `name` reads: is it a gradient?"""
+    params = re.findall(r"parameter\((\d+)\)", " ".join(entry[n] for n in _ancestors(entry, name)))
+    return {int(i) >= first_grad for i in params}
+
+
+@pytest.mark.parametrize(
+    "backend,collective",
+    [("ffi", 'custom_call_target="jaxcomm_allreduce"'), ("xla", "all-reduce(")],
+)
+def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backend, collective):
+    """In the compiled step, the collective's operands come from the state
+    alone: nothing the step's backward pass produces, so XLA may run it
+    under the forward and backward passes. Without double buffering it
+    reads the gradient."""
+    reads = {}
+    for db in (False, True):
+        tx = jaxcomm.allreduce_gradients(
+            "data",
+            backend=backend,
+            wire_dtype=jnp.float16,
+            error_feedback=True,
+            double_buffering=db,
+        )
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if collective in rhs]
+        reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
+    assert reads == {False: {False, True}, True: {False}}
+
+
+def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
+    """ffi on CPU: the collective's only reader is a jaxcomm_after call that
+    also takes the step's gradient, so everything that reads the reduced
+    gradient comes after the backward pass (and XLA cannot lend the result's
+    memory to it, which would make the backward pass wait for the
+    collective). Without double buffering there is nothing to hold."""
+    for db in (False, True):
+        tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+        assert len(calls) == len(SHAPES)
+        for call in calls:
+            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(call)}\b", rhs)]
+            held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
+            assert held == (readers[:1] if db else []) and len(readers) >= 1
+            if db:
+                assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
+                assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
+
+
+def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
+    """One leaf per bucket: each call's operand is the state's buffer itself
+    (a parameter, seen through a bitcast), not a copy. A copy is work the
+    call must wait for; reducing in place (the result taking the operand's
+    buffer) would need one, since the step does not own its parameters."""
+    tx = jaxcomm.allreduce_gradients(
+        "data", backend="ffi", algorithm="direct", bucket_bytes=0, double_buffering=True
+    )
+    with jax.set_mesh(mesh):
+        state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()})
+    specs = jaxcomm.state_specs(state, "data")
+    f = jax.jit(
+        jax.shard_map(
+            lambda s, g: tx.update(jax.tree.map(lambda x: x[0], g), s),
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=(P(), specs),
+        )
+    )
+    rows = {
+        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for k, s in SHAPES.items()
+    }
+    entry = _entry(f.lower(state, rows).compile().as_text())
+    calls = [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+    assert len(calls) == len(SHAPES)
+    for call in calls:
+        operand = re.search(r"custom-call\(%([\w.\-]+)", call).group(1)
+        while "bitcast(" in entry[operand]:
+            operand = re.search(r"bitcast\(%([\w.\-]+)", entry[operand]).group(1)
+        assert "parameter(" in entry[operand], entry[operand]
+        assert "output_to_operand_aliasing" not in call
+
+
 @pytest.mark.parametrize("backend", ["xla", "ffi"])
 def test_fused_equals_unfused(mesh, backend):
     grads = _grads(steps=4)
@@ -277,29 +421,34 @@ def test_replicas_stay_bitwise_identical(mesh, options):
     assert_same_on_all_devices(shared, "state")
 
 
-def test_nonfinite_gradient_is_flagged_everywhere_and_skippable(mesh):
+@pytest.mark.parametrize("double_buffering", [False, True])
+def test_nonfinite_gradient_is_flagged_everywhere_and_skippable(mesh, double_buffering):
     """One device's inf poisons the reduced gradient on all devices; the
     flag says so on all of them, the residual does not take it in, and
-    optax.apply_if_finite after the transform skips the step everywhere."""
+    optax.apply_if_finite after the transform skips the step everywhere.
+    Double buffered, all of it happens one step later, when the gradient is
+    reduced and returned."""
     grads = _grads(steps=4)
     grads[2]["d_big"][5, 7] = np.inf
     sgd = optax.sgd(0.1, momentum=0.9)
+    opts = dict(wire_dtype=jnp.float16, error_feedback=True, double_buffering=double_buffering)
     tx = optax.chain(
-        jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True),
+        jaxcomm.allreduce_gradients("data", **opts),
         optax.apply_if_finite(sgd, max_consecutive_errors=3),
     )
     flags, params = [], None
     for t in range(len(grads)):
         _, params, state = run_steps(tx, _params(), grads[: t + 1], mesh, check_vma=False)
         flags.append(np.asarray(jaxcomm.get_stats(state).nonfinite))
-    assert [bool(f.all()) for f in flags] == [False, False, True, False]
+    want_flags = [False] * len(grads)
+    want_flags[2 + double_buffering] = True
+    assert [bool(f.all()) for f in flags] == want_flags
     assert all(f.all() == f.any() for f in flags)  # every device agrees
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state[0].residual))
     # The same run without step 2 lands on the same parameters.
     skipped = grads[:2] + grads[3:]
-    tx_ok = optax.chain(
-        jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True), sgd
-    )
+    tx_ok = optax.chain(jaxcomm.allreduce_gradients("data", **opts), sgd)
     _, want, _ = run_steps(tx_ok, _params(), skipped, mesh, check_vma=False)
     for k in SHAPES:  # a different program (cond) may round the last bit differently
         np.testing.assert_allclose(params[k], want[k], rtol=1e-6, atol=1e-7)
@@ -375,6 +524,12 @@ def test_integer_gradients_are_refused(mesh):
 def test_error_feedback_init_outside_a_mesh_says_how():
     tx = jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16, error_feedback=True)
     with pytest.raises(ValueError, match="jax.set_mesh"):
+        tx.init({"w": jnp.zeros(3)})
+
+
+def test_double_buffering_init_outside_a_mesh_names_the_buffer():
+    tx = jaxcomm.allreduce_gradients("data", double_buffering=True)
+    with pytest.raises(ValueError, match="keeps a per-device double buffer, .* jax.set_mesh"):
         tx.init({"w": jnp.zeros(3)})
 
 

@@ -24,6 +24,7 @@ py::dict Registrations() {
   d["jaxcomm_allreduce"] = Capsule(AllReduceCpu);
   d["jaxcomm_reduce_scatter"] = Capsule(ReduceScatterCpu);
   d["jaxcomm_all_gather"] = Capsule(AllGatherCpu);
+  d["jaxcomm_after"] = Capsule(AfterCpu);
   return d;
 }
 

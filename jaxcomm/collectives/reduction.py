@@ -236,14 +236,28 @@ class BoundReduction(NamedTuple):
         arguments are its per-call ones (chunk_mask, max_chunks, unselected)."""
         return _allreduce.allreduce(self, x, **kwargs)
 
-    def allreduce_bucket(self, parts):
+    def allreduce_bucket(self, parts, *, in_place: bool = True):
         """One collective over the concatenation of `parts` (arrays of one
-        dtype); returns the reduced flat bucket. The concatenation is a fresh
-        buffer, so the result may take it over where the schedule allows."""
+        dtype); returns the reduced flat bucket. The concatenation of several
+        parts is a fresh buffer, so the result may take it over where the
+        schedule allows; a single part is the caller's array, which the
+        result takes over only with `in_place` (False for a parameter of the
+        step, which XLA would first copy: a computed operand that delays the
+        call)."""
         flat = jnp.concatenate([jnp.ravel(p) for p in parts])
         # An FP8 wire scales each part by itself, as cast_error does for a leaf.
         sizes = tuple(int(np.size(p)) for p in parts)
-        return _allreduce.allreduce(self, flat, in_place=True, parts=sizes)
+        return _allreduce.allreduce(self, flat, in_place=in_place or len(parts) > 1, parts=sizes)
+
+    def after(self, x, deps):
+        """`x`, read only once every array in `deps` exists. ffi on CPU holds
+        it behind a call that waits for them (XLA's CPU pipeline drops
+        optimization barriers): otherwise XLA puts x's readers as early as
+        they can go and lends the memory they free to the work in between,
+        which then waits for x. Elsewhere `x` as it is."""
+        if self.backend == "ffi" and jax.default_backend() == "cpu":
+            return _ffi.after(x, deps)
+        return x
 
     def exchange(self, x, mask, *, max_chunks: int):
         """Reduces the chunks of flat `x` selected by `mask`, zeros elsewhere

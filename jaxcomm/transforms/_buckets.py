@@ -95,18 +95,31 @@ def buckets_payload(leaves, buckets, bound) -> int:
     )
 
 
-def reduce_in_buckets(leaves, bound, bucket_bytes: float, *, scale_back: bool = False):
+def reduce_in_buckets(
+    leaves,
+    bound,
+    bucket_bytes: float,
+    *,
+    scale_back: bool = False,
+    in_place: bool = True,
+    after=(),
+):
     """One allreduce per bucket of the fusion plan, each bucket split back into
     its leaves; returns (reduced leaves, payload bytes, number of collectives).
 
     Zero-size leaves are in no bucket and come back as they are. With
     `scale_back`, a narrow wire's mean is turned back into the sum
-    (``BoundReduction.sum_from_mean``).
+    (``BoundReduction.sum_from_mean``). `in_place`: a bucket of one leaf may
+    take that leaf's buffer (``BoundReduction.allreduce_bucket``). `after`:
+    arrays that must exist before anything reads a bucket's result
+    (``BoundReduction.after``).
     """
     buckets = leaf_buckets(leaves, bucket_bytes)
     out = list(leaves)
     for bucket in buckets:
-        red = bound.allreduce_bucket([leaves[i] for i in bucket])
+        red = bound.allreduce_bucket([leaves[i] for i in bucket], in_place=in_place)
+        if after:
+            red = bound.after(red, after)
         if scale_back:
             red = bound.sum_from_mean(red)
         offset = 0

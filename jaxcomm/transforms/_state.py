@@ -135,11 +135,12 @@ def _stats_by_name(tree) -> list[CommStats]:
     return found
 
 
-def devices_on(comm: Reduction) -> tuple[int, bool]:
+def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
     """(rows a PerDevice leaf gets at init, whether `comm`'s axes are bound here).
 
     Inside shard_map or pmap each device builds its own row; outside, the
-    active mesh (``jax.set_mesh``) says how many devices there are.
+    active mesh (``jax.set_mesh``) says how many devices there are. `what`
+    names the per-device state in the error raised without either.
     """
     axes = comm.axes
     if comm.is_bound():
@@ -155,7 +156,7 @@ def devices_on(comm: Reduction) -> tuple[int, bool]:
         )
     if missing:
         raise ValueError(
-            f"this transform keeps a per-device residual, so init needs the size of axes "
+            f"this transform keeps a per-device {what}, so init needs the size of axes "
             f"{missing}: call init inside jax.shard_map / jax.pmap, or under "
             "`with jax.set_mesh(mesh):`"
         )
@@ -185,14 +186,14 @@ def _with_path(tree):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def per_device_zeros(tree, comm: Reduction) -> PerDevice:
+def per_device_zeros(tree, comm: Reduction, what: str = "residual") -> PerDevice:
     """Zeros shaped like `tree`'s leaves, with one leading row per device of `comm`."""
     return per_device_copies(
-        jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree), comm
+        jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree), comm, what
     )
 
 
-def per_device_copies(tree, comm: Reduction) -> PerDevice:
+def per_device_copies(tree, comm: Reduction, what: str = "residual") -> PerDevice:
     """`tree`'s leaves repeated in one leading row per device of `comm`.
 
     Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
@@ -201,7 +202,7 @@ def per_device_copies(tree, comm: Reduction) -> PerDevice:
     """
     if not jax.tree.leaves(tree):
         return PerDevice(tree)
-    rows, bound = devices_on(comm)
+    rows, bound = devices_on(comm, what)
     spec = P(comm.axes[0] if len(comm.axes) == 1 else comm.axes)
 
     def copies(x):

@@ -24,9 +24,12 @@ class AllReduceGradientsState(NamedTuple):
 
     Attributes:
       residual: ``PerDevice`` error-feedback residuals (what the wire cast
-        dropped), or ``()`` without error feedback.
-      buffer: the reduced gradients of the previous step (double buffering),
-        or ``()``.
+        dropped), or ``()`` without error feedback. With double buffering,
+        the residual that went into ``buffer``: the buffer's own cast error
+        joins it at the next step (see ``double_buffering``).
+      buffer: ``PerDevice`` double buffer: this device's local gradient of
+        the previous step, error feedback added (what the next step
+        reduces), or ``()``.
       stats: :class:`jaxcomm.CommStats` of the last step.
     """
 
@@ -35,7 +38,7 @@ class AllReduceGradientsState(NamedTuple):
     stats: _state.CommStats
 
 
-_state.per_device_fields(AllReduceGradientsState, "residual")
+_state.per_device_fields(AllReduceGradientsState, "residual", "buffer")
 
 
 def allreduce_gradients(
@@ -89,8 +92,26 @@ def allreduce_gradients(
         as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
       double_buffering: step t returns the reduced gradient of step t-1 (step
-        0 returns zeros), so the collective of step t has no consumer inside
-        the step and can hide under compute.
+        0 returns zeros). The state's per-device ``buffer`` holds this
+        device's gradient of step t-1 (error feedback added), and step t
+        reduces it before storing its own: the collective depends on nothing
+        the step computes, so it can run under the step's forward and
+        backward passes. That needs a backend whose collective does not
+        block a compute thread: ``backend="ffi"`` on CPU (its handler
+        returns a future; XLA's gloo collectives block); on GPU,
+        asynchronous collectives. On ffi/CPU the result is read only once
+        the step's gradient exists, so XLA does not lend its memory to the
+        forward and backward passes (which would make them wait for the
+        collective). Buckets of several leaves are packed from the buffer
+        at the start of the step, a copy the forward pass may wait behind:
+        ``bucket_bytes=0`` avoids it (bench/README.md). Step 0 reduces the
+        zero buffer (a real collective, counted in the stats). The stats and the non-finite
+        flag describe the returned gradient. With error feedback the
+        residual takes the buffer's cast error one step later, once the
+        reduction says whether it was finite, so residuals and results
+        equal those without double buffering shifted by one step; a
+        checkpoint holds every device's buffer. The buffer is kept in the
+        gradient's dtype: its cast error is needed in full precision.
       check_finite: look for inf/NaN in the reduced gradient (``stats.nonfinite``).
         It reads the whole gradient once more: on 8 CPU devices sharing 2
         cores that is ~25% of a ResNet-50-shaped step (bench/overhead.py);
@@ -101,7 +122,7 @@ def allreduce_gradients(
       :class:`AllReduceGradientsState`; ``jaxcomm.get_stats(state)`` reads
       what the last step sent. A non-finite reduced gradient is returned as
       it is (every device sees the same one) and flagged in the stats, and
-      this transform's own state does not take it in; wrap the optimizer
+      the error-feedback residual does not take it in; wrap the optimizer
       after it in ``optax.apply_if_finite`` to skip such steps everywhere.
 
       Options are checked when it is built, without starting JAX's
@@ -149,7 +170,9 @@ def allreduce_gradients(
     def init(params):
         return AllReduceGradientsState(
             residual=_state.per_device_zeros(params, comm) if error_feedback else (),
-            buffer=jax.tree.map(jnp.zeros_like, params) if double_buffering else (),
+            buffer=(
+                _state.per_device_zeros(params, comm, "double buffer") if double_buffering else ()
+            ),
             stats=_state.empty_stats(),
         )
 
@@ -159,34 +182,47 @@ def allreduce_gradients(
         if error_feedback:
             _state.check_same_tree(updates, _state.local(state.residual), "error-feedback residual")
         if double_buffering:
-            _state.check_same_tree(updates, state.buffer, "double buffer")
+            _state.check_same_tree(updates, _state.local(state.buffer), "double buffer")
         bound = comm.bind()
         bound.check_local(updates)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
-        grads = updates
-        if error_feedback:
-            grads = jax.tree.map(jnp.add, grads, _state.local(state.residual))
-        leaves, treedef = jax.tree.flatten(grads)
-        reduced, payload, count = reduce_in_buckets(leaves, bound, theta, scale_back=scale_back)
+        residual = _state.local(state.residual) if error_feedback else ()
+        if double_buffering:
+            # The previous step's local gradient: nothing this step computes
+            # feeds the collective, so it can run under the forward and
+            # backward passes.
+            outgoing = _state.local(state.buffer)
+        else:
+            outgoing = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
+        leaves, treedef = jax.tree.flatten(outgoing)
+        after = ()
+        if double_buffering:
+            # The result is applied after this step's backward pass; read
+            # earlier, its memory would be lent to the forward and backward
+            # passes, and they would wait for the collective.
+            after = [bound.after(jnp.zeros((), jnp.int32), jax.tree.leaves(updates))]
+        # The buffer is a parameter of the step: reducing it in place would
+        # copy it first, and the call would wait for the copy.
+        reduced, payload, count = reduce_in_buckets(
+            leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering, after=after
+        )
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = _state.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
-        residual = state.residual
         if error_feedback:
-            dropped = jax.tree.map(bound.cast_error, grads)
-            # A non-finite step must not poison the residual for good.
-            residual = _state.as_row(
-                jax.tree.map(
-                    lambda new, old: jnp.where(nonfinite, old, new),
-                    dropped,
-                    _state.local(state.residual),
-                )
+            # What the cast of `outgoing` dropped, unless the reduction came
+            # out non-finite: such a step must not poison the residual for good.
+            residual = jax.tree.map(
+                lambda sent, old: jnp.where(nonfinite, old, bound.cast_error(sent)),
+                outgoing,
+                residual,
             )
+        buffer = state.buffer
         if double_buffering:
-            out, buffer = state.buffer, reduced
-            nonfinite = _state.any_nonfinite(out) if check_finite else jnp.bool_(False)
-        else:
-            out, buffer = reduced, state.buffer
+            buffer = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
+            buffer = _state.as_row(buffer)
+        if error_feedback:
+            residual = _state.as_row(residual)
 
         stats = _state.CommStats(
             payload_bytes=jnp.float32(payload),
@@ -195,6 +231,6 @@ def allreduce_gradients(
             density=jnp.float32(1),
             nonfinite=nonfinite,
         )
-        return out, AllReduceGradientsState(residual, buffer, stats)
+        return reduced, AllReduceGradientsState(residual, buffer, stats)
 
     return optax.GradientTransformation(init, update)

@@ -7,4 +7,5 @@ namespace jaxcomm::cpu {
 extern "C" XLA_FFI_Error* AllReduceCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ReduceScatterCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AllGatherCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AfterCpu(XLA_FFI_CallFrame* call_frame);
 }  // namespace jaxcomm::cpu
