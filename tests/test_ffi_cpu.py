@@ -165,6 +165,24 @@ def test_float16_wire_round_trip_is_exact_rne():
     assert reference.EPS  # reference module importable alongside
 
 
+def test_float16_wire_edges_in_vector_and_scalar_code():
+    """Overflow, infinities, NaN, and the subnormal and rounding boundaries,
+    as NumPy casts them: 8 at a time (the F16C path where the CPU has it) and
+    in the tail after the last full 8 (the scalar path)."""
+    edges = np.array(
+        [65504, 65519.996, 65520, 1e6, np.inf, -np.inf, np.nan, -65520,
+         2**-14, 2**-14 * (1 - 2**-11), 2**-24, 2**-25, 2**-25 * 1.0001, 3 * 2**-26, 1e-10, -0.0,
+         1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2049, 2051, 0.1, -7.5, 1e-5],
+        np.float32,
+    )  # fmt: skip
+    for n in (len(edges), len(edges) + 5):  # a multiple of 8, then 5 more in the tail
+        x = np.resize(edges, n)
+        outs = harness.run_threads([x, np.zeros(n, np.float32)], F32, DIRECT, wire=1)
+        with np.errstate(over="ignore"):  # overflowing to inf is the point
+            want = x.astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(outs[0], want)  # NaN compares equal to NaN here
+
+
 def test_stall_timeout_applies_to_compiled_code(short_timeout):
     assert jaxcomm.get_ffi_timeout() == 0.5
 

@@ -5,8 +5,76 @@
 #include <limits>
 #include <type_traits>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define JAXCOMM_F16C 1
+#endif
+
 namespace jaxcomm::cpu {
 namespace {
+
+#ifdef JAXCOMM_F16C
+// float16 <-> float32 eight at a time with the F16C instructions, chosen at
+// run time so the module still loads on x86-64 CPUs without them. Both are
+// exact: vcvtps2ph rounds to nearest even as FloatToHalf does (overflow to
+// inf, subnormal halves kept), and vcvtph2ps is exact. The scalar code,
+// branchy, ran 4x slower than a float32 copy and made an ffi float16 wire
+// cost more CPU time than the bytes it saves.
+bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+__attribute__((target("avx,f16c"))) size_t FloatsToHalves(uint16_t* out, const float* in, size_t n,
+                                                          float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), s);
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  return i;  // the caller converts the tail
+}
+
+__attribute__((target("avx,f16c"))) size_t HalvesToFloats(float* out, const uint16_t* in, size_t n,
+                                                          float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s));
+  }
+  return i;
+}
+
+__attribute__((target("avx,f16c"))) size_t AddHalves(float* acc, const uint16_t* in, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_cvtph_ps(h)));
+  }
+  return i;
+}
+#endif
+
+// How many leading elements a vector path converted (then the scalar loop
+// does the rest): float32 <-> float16 only, where the CPU has F16C.
+template <DType D, DType S>
+size_t ConvertVector(void* dst, const void* src, size_t n, float scale) {
+#ifdef JAXCOMM_F16C
+  if constexpr (D == DType::kF16 && S == DType::kF32) {
+    if (HasF16c()) {
+      return FloatsToHalves(static_cast<uint16_t*>(dst), static_cast<const float*>(src), n, scale);
+    }
+  } else if constexpr (D == DType::kF32 && S == DType::kF16) {
+    if (HasF16c()) {
+      return HalvesToFloats(static_cast<float*>(dst), static_cast<const uint16_t*>(src), n, scale);
+    }
+  }
+#endif
+  return 0;
+}
 
 // Element access by storage type; the 16-bit formats go through float32.
 template <DType T>
@@ -50,11 +118,13 @@ void ConvertTyped(void* dst, const void* src, size_t n, double scale) {
       if (dst != src) std::memcpy(dst, src, n * sizeof(*in));
       return;
     }
-    for (size_t i = 0; i < n; ++i) out[i] = Elem<D>::Store(static_cast<W>(Elem<S>::Load(in[i])));
+    for (size_t i = ConvertVector<D, S>(dst, src, n, 1.0f); i < n; ++i) {
+      out[i] = Elem<D>::Store(static_cast<W>(Elem<S>::Load(in[i])));
+    }
     return;
   }
   const W s = static_cast<W>(scale);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = ConvertVector<D, S>(dst, src, n, static_cast<float>(s)); i < n; ++i) {
     out[i] = Elem<D>::Store(static_cast<W>(Elem<S>::Load(in[i])) * s);
   }
 }
@@ -63,7 +133,13 @@ template <DType A, DType S>
 void AccumulateTyped(void* acc, const void* src, size_t n) {
   auto* out = static_cast<typename Elem<A>::Storage*>(acc);
   const auto* in = static_cast<const typename Elem<S>::Storage*>(src);
-  for (size_t i = 0; i < n; ++i) out[i] += static_cast<Wide<A, S>>(Elem<S>::Load(in[i]));
+  size_t i = 0;
+#ifdef JAXCOMM_F16C
+  if constexpr (A == DType::kF32 && S == DType::kF16) {
+    if (HasF16c()) i = AddHalves(out, in, n);
+  }
+#endif
+  for (; i < n; ++i) out[i] += static_cast<Wide<A, S>>(Elem<S>::Load(in[i]));
 }
 
 template <typename T>
