@@ -26,6 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -66,6 +67,9 @@ def configurations() -> dict[str, Callable[[], optax.GradientTransformation]]:
         ),
         "double_buffering": lambda: optax.chain(dense("data", double_buffering=True), sgd),
         "ffi": lambda: optax.chain(dense("data", backend="ffi"), sgd),
+        "fp16 (ffi)": lambda: optax.chain(
+            dense("data", wire_dtype=jnp.float16, backend="ffi"), sgd
+        ),
         "ffi unfused": lambda: optax.chain(dense("data", backend="ffi", bucket_bytes=0), sgd),
         "csc d=0.15 (ffi)": lambda: jaxcomm.chunk_sparse(
             optax.sgd(LR, momentum=0.9), "data", density=0.15, backend="ffi"
@@ -156,16 +160,31 @@ def measure(model: str, names: list[str], rounds: int, progress) -> dict[str, li
         run = build(name)
         # Two functions in rotated rounds: baseline and run alternate going first.
         base, own = time_rounds([advance(baseline), advance(run)], reps=rounds, warmup=0)
-        times[name] = (own, base)
+        times[name] = (own, base, fresh_mib(advance(run)), fresh_mib(advance(baseline)))
         del run
     return times
+
+
+def fresh_mib(call) -> float:
+    """MiB of memory the process touched for the first time during one call
+    (minor page faults x page size): XLA CPU allocates a step's outputs and
+    temporaries afresh, and above glibc's mmap threshold each one comes from
+    the kernel as new pages, faulted in and zeroed on first write. Beside
+    the passes over the gradient, this is the step's other CPU cost."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(call())
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return faults * resource.getpagesize() / 2**20
 
 
 def report(model: str, times: dict, baseline: str) -> list[dict]:
     rows = []
     print(f"\n{model}: median step time, each configuration alternated with {baseline}")
-    print(f"{'configuration':<20} {'ms':>9} {baseline + ' ms':>10} {'ratio':>7}")
-    for name, (ts, base) in times.items():
+    print(
+        f"{'configuration':<20} {'ms':>9} {baseline + ' ms':>10} {'ratio':>7}"
+        f" {'fresh MiB':>10} {baseline + ' MiB':>11}"
+    )
+    for name, (ts, base, fresh, fresh_base) in times.items():
         ratio = statistics.median([t / b for t, b in zip(ts, base, strict=True)])
         med, med_base = statistics.median(ts), statistics.median(base)
         rows.append(
@@ -175,9 +194,14 @@ def report(model: str, times: dict, baseline: str) -> list[dict]:
                 "time_s": med,
                 "baseline_time_s": med_base,
                 "ratio_to_" + baseline: ratio,
+                "fresh_mib": fresh,
+                "baseline_fresh_mib": fresh_base,
             }
         )
-        print(f"{name:<20} {1e3 * med:>9.1f} {1e3 * med_base:>10.1f} {ratio:>7.3f}")
+        print(
+            f"{name:<20} {1e3 * med:>9.1f} {1e3 * med_base:>10.1f} {ratio:>7.3f}"
+            f" {fresh:>10.0f} {fresh_base:>11.0f}"
+        )
     return rows
 
 
