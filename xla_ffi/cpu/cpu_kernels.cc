@@ -17,9 +17,9 @@ namespace {
 // float16 <-> float32 eight at a time with the F16C instructions, chosen at
 // run time so the module still loads on x86-64 CPUs without them. Both are
 // exact: vcvtps2ph rounds to nearest even as FloatToHalf does (overflow to
-// inf, subnormal halves kept), and vcvtph2ps is exact. The scalar code,
-// branchy, ran 4x slower than a float32 copy and made an ffi float16 wire
-// cost more CPU time than the bytes it saves.
+// inf, subnormal halves kept), and vcvtph2ps is exact. With the scalar code
+// alone, branchy, an ffi float16 allreduce on 8 CPU devices took 2.7x the
+// float32 one; with these, 1.2x.
 bool HasF16c() {
   static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return has;
