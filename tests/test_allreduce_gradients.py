@@ -284,22 +284,7 @@ def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
     tx = jaxcomm.allreduce_gradients(
         "data", backend="ffi", algorithm="direct", bucket_bytes=0, double_buffering=True
     )
-    with jax.set_mesh(mesh):
-        state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()})
-    specs = jaxcomm.state_specs(state, "data")
-    f = jax.jit(
-        jax.shard_map(
-            lambda s, g: tx.update(jax.tree.map(lambda x: x[0], g), s),
-            mesh=mesh,
-            in_specs=(specs, P("data")),
-            out_specs=(P(), specs),
-        )
-    )
-    rows = {
-        k: jax.ShapeDtypeStruct((8, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-        for k, s in SHAPES.items()
-    }
-    entry = _entry(f.lower(state, rows).compile().as_text())
+    entry, _ = _compiled_step(tx, mesh)
     calls = [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
     assert len(calls) == len(SHAPES)
     for call in calls:
