@@ -269,6 +269,7 @@ def test_bad_algorithm_code_is_an_error_not_a_crash():
             postscale=np.float64(1),
             chunk_size=np.int64(1),
             max_chunks=np.int64(0),
+            unselected=np.int32(0),
         )
 
     with pytest.raises(Exception, match="unknown algorithm code 7"):
@@ -293,6 +294,7 @@ def test_allreduce_output_unlike_input_is_an_error():
             postscale=np.float64(1),
             chunk_size=np.int64(1),
             max_chunks=np.int64(0),
+            unselected=np.int32(0),
         )
 
     with pytest.raises(Exception, match="output must have x's dtype and size"):

@@ -46,9 +46,9 @@ def allreduce(
             # Chunks selected past the bound are not reduced: from here on
             # they are unselected (zeroed below when that is asked for).
             chunk_mask = chunk_mask & (jnp.cumsum(chunk_mask, dtype=jnp.int32) <= max_chunks)
-        if zero:
-            # Zeroed before the call, so the custom call's result is the same
-            # on every device and the xla path unpacks into zeros.
+        if zero and (backend != "ffi" or place.size == 1):
+            # Zeroed before the reduction, so the xla path unpacks into zeros
+            # (the custom call zeros them itself, without a pass over x).
             # A broadcast, not jnp.repeat: that is a scatter and a prefix sum.
             selected = jnp.broadcast_to(chunk_mask[:, None], (nchunks, chunk_size)).reshape(-1)
             flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))

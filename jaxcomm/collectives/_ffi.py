@@ -31,6 +31,9 @@ _DTYPE_CODES = {
     np.dtype(jnp.float64): 3,
 }
 ALGORITHM_CODES = {"ring": 0, "hierarchical": 1, "direct": 2}
+# What a masked allreduce leaves in the chunks it does not reduce (the
+# handlers' kUnselectedLocal and kUnselectedZero).
+_UNSELECTED_LOCAL, _UNSELECTED_ZERO = 0, 1
 
 _op_ids = itertools.count(1)
 
@@ -275,8 +278,9 @@ def allreduce(
 ):
     """Flat 1-D allreduce in one custom call (mask: pack, reduce, unpack inside).
 
-    A masked result is typed replicated only when the caller zeroed the
-    unselected chunks (`replicated=True`); otherwise they keep local values.
+    With a mask, `replicated=True` makes the call zero the unselected chunks,
+    so that the result is the same on every device and typed replicated;
+    otherwise they keep local values.
     `max_chunks`: the first that many selected chunks are reduced (None:
     all); see :func:`packs_exactly` for what travels.
     `in_place`: the result takes x's buffer where the handler allows it (CPU
@@ -285,6 +289,7 @@ def allreduce(
     """
     require()
     mask = jnp.zeros((0,), jnp.bool_) if chunk_mask is None else chunk_mask
+    unselected = _UNSELECTED_ZERO if chunk_mask is not None and replicated else _UNSELECTED_LOCAL
     replicated = place.axes if (chunk_mask is None or replicated) else ()
     aliased = (
         in_place and algorithm == "direct" and chunk_mask is None and jax.default_backend() == "cpu"
@@ -307,6 +312,7 @@ def allreduce(
         postscale=np.float64(postscale),
         chunk_size=np.int64(chunk_size),
         max_chunks=np.int64(max_chunks or 0),
+        unselected=np.int32(unselected),
     )
 
 

@@ -152,6 +152,7 @@ struct AllReduceArgs {
   int32_t algorithm = 0, nranks = kRanks, intra_size = 1, wire_dtype = -1;
   double prescale = 1.0, postscale = 1.0;
   int64_t chunk_size = 0, max_chunks = 0;
+  int32_t unselected = 0;  // 0: keep local values, 1: zeros
 };
 
 std::string CallAllReduce(HostContext& hc, float* x, float* y, int64_t n, int32_t* coords,
@@ -170,6 +171,7 @@ std::string CallAllReduce(HostContext& hc, float* x, float* y, int64_t n, int32_
        {"op_id", XLA_FFI_DataType_S64, &a.op_id},
        {"postscale", XLA_FFI_DataType_F64, &a.postscale},
        {"prescale", XLA_FFI_DataType_F64, &a.prescale},
+       {"unselected", XLA_FFI_DataType_S32, &a.unselected},
        {"wire_dtype", XLA_FFI_DataType_S32, &a.wire_dtype}});
 }
 
@@ -234,7 +236,7 @@ void CheckScatterGatherHandlers(int64_t op_id) {
 
 // The allreduce handler with a chunk mask on 8 host ranks: only the
 // selected chunks are summed, the first `max_chunks` of them when that is
-// set; the others keep each rank's own values. Past the first call of a
+// set; the others keep each rank's own values, or are zeros when asked. Past the first call of a
 // site (which reads the rank once), a masked call never waits for the
 // device: the mask stays there.
 void CheckMaskedHandler(int64_t op_id) {
@@ -248,11 +250,14 @@ void CheckMaskedHandler(int64_t op_id) {
       for (int64_t i = 0; i < n; ++i) x[i] = Value(r, i);
       int32_t coords[2] = {0, r};
       // max_chunks 0 (all), 2 (chunks 0 and 3 only), 9 (more than there are).
-      for (int64_t max_chunks : {0, 2, 9}) {
+      for (int call = 0; call < 6; ++call) {
+        const int64_t max_chunks = std::vector<int64_t>{0, 2, 9}[call % 3];
+        const int32_t unselected = call / 3;
         std::vector<float> y(n, -1000.0f);
         AllReduceArgs a{op_id};
         a.chunk_size = chunk;
         a.max_chunks = max_chunks;
+        a.unselected = unselected;
         const int waits = host::HostWaits();
         const std::string err = CallAllReduce(hc, x.data(), y.data(), n, coords, mask, nchunks, a);
         const int waited = host::HostWaits() - waits;
@@ -265,7 +270,7 @@ void CheckMaskedHandler(int64_t op_id) {
           const bool sum = mask[c] && (max_chunks == 0 || reduced < max_chunks);
           reduced += sum ? 1 : 0;
           for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
-            float want = x[i];
+            float want = unselected == 1 ? 0.0f : x[i];
             if (sum) {
               want = 0;
               for (int q = 0; q < kRanks; ++q) want += Value(q, i);
@@ -314,6 +319,10 @@ void CheckHandlerErrors(int64_t op_id) {
   negative_bound.chunk_size = 4;
   negative_bound.max_chunks = -1;
   CHECK(call(negative_bound, 2).find("jaxcomm allreduce: max_chunks < 0") != std::string::npos);
+  AllReduceArgs bad_unselected{op_id};
+  bad_unselected.unselected = 2;
+  CHECK(call(bad_unselected, 0).find("jaxcomm allreduce: unknown unselected code 2") !=
+        std::string::npos);
   host::DeleteStream(hc.stream);
 }
 

@@ -51,7 +51,8 @@ auto BindAllReduce(B&& b) {
       .template Attr<double>("prescale")      // before the wire cast
       .template Attr<double>("postscale")     // after the reduction
       .template Attr<int64_t>("chunk_size")   // mask granularity, elements
-      .template Attr<int64_t>("max_chunks");  // mask: chunk slots packed, 0 = all
+      .template Attr<int64_t>("max_chunks")   // mask: chunk slots packed, 0 = all
+      .template Attr<int32_t>("unselected");  // mask: 0 keeps local values, 1 zeros
 }
 
 template <Site site, typename B>

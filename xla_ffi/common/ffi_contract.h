@@ -95,11 +95,16 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
 // `spec`'s types and scales, `nchunks` (0 without a mask: every element) and
 // `slots`: how many selected chunks are packed, the first `max_chunks` of
 // them (all for 0); chunks selected beyond that are not reduced.
+// `unselected` says what the other chunks of the result hold: the local
+// input (kUnselectedLocal) or zeros (kUnselectedZero).
+inline constexpr int32_t kUnselectedLocal = 0;
+inline constexpr int32_t kUnselectedZero = 1;
 inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& coords,
                                  const ffi::Buffer<ffi::PRED>& mask, const ffi::AnyBuffer& y,
                                  int32_t algorithm, int32_t wire_dtype, double prescale,
                                  double postscale, int64_t chunk_size, int64_t max_chunks,
-                                 ReduceSpec* spec, int64_t* nchunks, int64_t* slots) {
+                                 int32_t unselected, ReduceSpec* spec, int64_t* nchunks,
+                                 int64_t* slots) {
   const std::string op = "allreduce";
   if (auto err = DecodeReduction(op, x, coords, wire_dtype, prescale, postscale, spec);
       !err.success()) {
@@ -110,6 +115,9 @@ inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   }
   if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
     return Invalid(op, "output must have x's dtype and size");
+  }
+  if (unselected != kUnselectedLocal && unselected != kUnselectedZero) {
+    return Invalid(op, "unknown unselected code " + std::to_string(unselected));
   }
   *nchunks = *slots = 0;
   if (mask.element_count() == 0) return ffi::Error::Success();

@@ -57,22 +57,27 @@ void Pack(const std::vector<Range>& chunks, const char* in, char* packed, size_t
   }
 }
 
-// out = in, with the selected chunks taken from `packed`.
+// out = in (or zeros, `zero`), with the selected chunks taken from `packed`.
+// `chunks` are in increasing order. Zeros are written only between the
+// chunks: a pass over the whole output first would touch it twice.
 void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed, char* out,
-            size_t n, size_t isz) {
-  if (out != in) std::memcpy(out, in, n * isz);
-  size_t at = 0;
+            size_t n, size_t isz, bool zero) {
+  if (!zero && out != in) std::memcpy(out, in, n * isz);
+  size_t at = 0, end = 0;
   for (const Range& c : chunks) {
+    if (zero) std::memset(out + end * isz, 0, (c.begin - end) * isz);
     std::memcpy(out + c.begin * isz, packed + at * isz, c.size() * isz);
     at += c.size();
+    end = c.end;
   }
+  if (zero) std::memset(out + end * isz, 0, (n - end) * isz);
 }
 
 // The direct schedule: leave the buffers at the rendezvous and return; the
 // last rank's thread (and workers) complete the future.
 ffi::Future AllReduceDirect(const CallSite& site, const ReduceSpec& spec, const char* in, char* out,
-                            size_t n, const std::vector<Range>& chunks, bool masked,
-                            size_t packed) {
+                            size_t n, const std::vector<Range>& chunks, bool masked, size_t packed,
+                            bool zero) {
   ffi::Promise promise;
   ffi::Future future(promise);
   auto complete = [promise](const Status& st) mutable {
@@ -98,7 +103,8 @@ ffi::Future AllReduceDirect(const CallSite& site, const ReduceSpec& spec, const 
   Pack(chunks, in, packed_in, isz);
   ArriveDirect(call, {site.rank, site.device, packed_in, packed_out,
                       [=, complete = std::move(complete)](const Status& st) mutable {
-                        if (st.ok()) Unpack(chunks, in, buffer.get() + packed * isz, out, n, isz);
+                        if (st.ok())
+                          Unpack(chunks, in, buffer.get() + packed * isz, out, n, isz, zero);
                         complete(st);
                       }});
   return future;
@@ -108,11 +114,12 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                           ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
                           int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                          double postscale, int64_t chunk_size, int64_t max_chunks) {
+                          double postscale, int64_t chunk_size, int64_t max_chunks,
+                          int32_t unselected) {
   ReduceSpec spec;
   int64_t nchunks = 0, slots = 0;
   if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, max_chunks, &spec, &nchunks, &slots);
+                                chunk_size, max_chunks, unselected, &spec, &nchunks, &slots);
       !err.success()) {
     return CompletedFuture(err);
   }
@@ -152,9 +159,10 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
                              ? Algorithm::kRing
                              : site.algorithm;
   // Only the selected chunks travel: pack them, reduce, unpack; the other
-  // chunks keep the local values.
+  // chunks keep the local values or are zeroed.
+  const bool zero = unselected == kUnselectedZero;
   if (algo == Algorithm::kDirect) {
-    return AllReduceDirect(site, spec, in, out, n, chunks, masked, packed);
+    return AllReduceDirect(site, spec, in, out, n, chunks, masked, packed, zero);
   }
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
     if (!masked) return ReduceContiguous(rings, algo, spec, in, out, n);
@@ -163,7 +171,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
     char* packed_out = packed_in + packed * isz;
     Pack(chunks, in, packed_in, isz);
     JAXCOMM_RETURN_IF_ERROR(ReduceContiguous(rings, algo, spec, packed_in, packed_out, packed));
-    Unpack(chunks, in, packed_out, out, n, isz);
+    Unpack(chunks, in, packed_out, out, n, isz, zero);
     return Status::Ok();
   });
 }

@@ -21,12 +21,12 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
                          ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                          ffi::Result<ffi::AnyBuffer> y, int32_t algorithm, int32_t intra_size,
                          int32_t wire_dtype, double prescale, double postscale, int64_t chunk_size,
-                         int64_t max_chunks, const CommRunner& run) {
+                         int64_t max_chunks, int32_t unselected, const CommRunner& run) {
   Scratch scratch(ctx);  // freed when the handler returns
   ReduceSpec spec;
   int64_t nchunks = 0, slots = 0;
   if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, max_chunks, &spec, &nchunks, &slots);
+                                chunk_size, max_chunks, unselected, &spec, &nchunks, &slots);
       !err.success()) {
     return err;
   }
@@ -40,13 +40,18 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
     if (!masked) {
       return ReduceContiguous(set, k, stream, scratch, algo, intra_size, spec, in, out, n);
     }
-    // Only the selected chunks travel; the others keep the local values.
+    // Only the selected chunks travel; the others keep the local values or
+    // are zeroed.
     // NCCL takes its sizes from the host and the mask lives on the device,
     // so the packed buffer has a fixed size, `slots` chunks, zero-padded
     // past the selected ones: nothing waits for the device to count them.
     const bool* selected = mask.typed_data();
     const size_t packed = std::min(n, static_cast<size_t>(slots * chunk_size));
-    k.Convert(out, spec.input, in, spec.input, n, 1.0);
+    if (unselected == kUnselectedZero) {
+      k.Zero(out, n * isz);
+    } else {
+      k.Convert(out, spec.input, in, spec.input, n, 1.0);
+    }
     void *offsets, *packed_in, *packed_out;
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate((nchunks + 1) * sizeof(int32_t), &offsets));
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(packed * isz, &packed_in));
@@ -70,12 +75,13 @@ ffi::Error AllReduceOwn(cudaStream_t stream, int32_t device, ffi::Context ctx, f
                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                         ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
                         int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                        double postscale, int64_t chunk_size, int64_t max_chunks) {
-  return AllReduceImpl(stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale,
-                       postscale, chunk_size, max_chunks, [&](const CollectiveBody& body) {
-                         return RunOnOwnComms(stream, device, coords.typed_data(), op_id, nranks,
-                                              body);
-                       });
+                        double postscale, int64_t chunk_size, int64_t max_chunks,
+                        int32_t unselected) {
+  return AllReduceImpl(
+      stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale, postscale,
+      chunk_size, max_chunks, unselected, [&](const CollectiveBody& body) {
+        return RunOnOwnComms(stream, device, coords.typed_data(), op_id, nranks, body);
+      });
 }
 
 #if JAXCOMM_XLA_COMMS
@@ -84,16 +90,17 @@ ffi::Error AllReduceXla(cudaStream_t stream, int32_t device, ffi::Context ctx, X
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> group_ids,
                         int32_t algorithm, int32_t nranks, int32_t intra_size, int32_t wire_dtype,
-                        double prescale, double postscale, int64_t chunk_size, int64_t max_chunks) {
+                        double prescale, double postscale, int64_t chunk_size, int64_t max_chunks,
+                        int32_t unselected) {
   Groups groups;
   if (Status st = GroupsFromFlat(group_ids.begin(), group_ids.size(), nranks, &groups); !st.ok()) {
     return ToError(st);
   }
-  return AllReduceImpl(stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale,
-                       postscale, chunk_size, max_chunks, [&](const CollectiveBody& body) {
-                         return RunOnXlaComms(stream, device, comms, groups, coords.typed_data(),
-                                              nranks, body);
-                       });
+  return AllReduceImpl(
+      stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale, postscale,
+      chunk_size, max_chunks, unselected, [&](const CollectiveBody& body) {
+        return RunOnXlaComms(stream, device, comms, groups, coords.typed_data(), nranks, body);
+      });
 }
 #endif
 
