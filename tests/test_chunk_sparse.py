@@ -174,12 +174,16 @@ def test_stats_count_what_travels(mesh):
     assert s.stats.payload_bytes[0] == 5 / 14 * dense_payload / 2 + 14 * 4
 
 
-def test_nonfinite_step_is_skipped_on_every_device(mesh):
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_nonfinite_step_is_skipped_on_every_device(mesh, inner):
     """An inf on one device, in an unimportant chunk, reaches the norms; in an
-    important one, the average. Either way every device skips the step."""
+    important one, the average. Either way every device skips the step, and
+    the inner state is held whole: parameter-shaped leaves (momentum, Adam's
+    moments) and the rest (Adam's step count) alike."""
     grads = random_grads(np.random.default_rng(4), SHAPES, N, 4)
     grads[2]["a"][3, 0] = np.inf
-    tx = jaxcomm.chunk_sparse(optax.sgd(LR, momentum=MU), "data", density=0.3, chunk_size=C)
+    opt = optax.sgd(LR, momentum=MU) if inner == "sgd" else optax.adam(LR)
+    tx = jaxcomm.chunk_sparse(opt, "data", density=0.3, chunk_size=C)
     _, p2, s2 = run_steps(tx, _params(), grads[:2], mesh)
     _, p3, s3 = run_steps(tx, _params(), grads[:3], mesh)
     assert s3.stats.nonfinite.all() and not s2.stats.nonfinite.any()
