@@ -37,7 +37,9 @@ import time
 
 ROW_PREFIX = "@row "
 MIB = 1 << 20
-PATHS = ("auto", "ring", "hierarchical")  # jaxcomm.allreduce algorithms, xla backend
+# jaxcomm.allreduce algorithms on the xla backend, and "ffi": jaxcomm's own
+# ring over its TCP transport (backend="ffi").
+PATHS = ("auto", "ring", "hierarchical", "ffi")
 # The overlap workload's collectives: lax.psum (gloo, blocks XLA's thread) or
 # jaxcomm's ffi allreduce (TCP behind a future, XLA computes meanwhile).
 OVERLAP_PATHS = ("auto", "ffi")
@@ -121,6 +123,8 @@ def reducer(mesh, path: str, wire):
     import jaxcomm
 
     def body(x):
+        if path == "ffi":
+            return jaxcomm.allreduce(x, AXES, algorithm="ring", wire_dtype=wire, backend="ffi")
         return jaxcomm.allreduce(x, AXES, algorithm=path, wire_dtype=wire, backend="xla")
 
     # Every device's copy of the sum comes back, so nothing relies on the
