@@ -154,6 +154,28 @@ def check_closed_form(y, expected, tolerance=0.0):
             )
 
 
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process, every thread."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of every core, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def machine_busy_since(before: tuple[int, int]) -> float:
+    """Fraction of the machine's cores busy since ``before`` (softirq included)."""
+    busy, total = machine_busy()
+    return (busy - before[0]) / max(1, total - before[1])
+
+
 def run_allreduce(args):
     import jax
     import numpy as np
@@ -180,17 +202,25 @@ def run_allreduce(args):
                     run = reducer(mesh, path, wire_dtype(wire_name))
                     y = jax.block_until_ready(run(x))  # compile + warm up
                     times = []
+                    cpu_before, busy_before = process_cpu_s(), machine_busy()
                     for _ in range(args.repeats):
                         start = time.perf_counter()
                         y = jax.block_until_ready(run(x))
                         times.append(time.perf_counter() - start)
+                    # CPU per call: this process (all threads), and how busy the
+                    # whole machine was (every host shares its cores).
+                    row["cpu_s"] = (process_cpu_s() - cpu_before) / args.repeats
+                    row["machine_busy"] = machine_busy_since(busy_before)
                     u = FP8_UNIT.get(wire_name, 0.0)
                     largest = 3.0 * mesh.size  # |pattern| <= 3, device d holds (d + 1) x it
                     check_closed_form(y, expected, mesh.size * (2 * u + u * u) * largest)
                     row["time_s"] = statistics.median(times)
                 except Exception as e:  # noqa: BLE001  (a failing path is a result)
                     row["error"] = describe_error(e)
-                progress(f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')}")
+                progress(
+                    f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')} s, "
+                    f"{row.get('cpu_s')} CPU s a call, machine {row.get('machine_busy')} busy"
+                )
                 emit(row)
 
 
