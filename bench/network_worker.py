@@ -10,8 +10,9 @@ Workloads:
 
 - ``allreduce``: ``jaxcomm.allreduce`` over every device of every host, per
   path (xla ``auto`` = gloo's psum, xla ``ring`` over ppermute,
-  ``hierarchical`` over (host, local device)), wire dtype and size; the
-  median time of ``--repeats`` calls, each checked against the closed form.
+  ``hierarchical`` over (host, local device), ``ffi``: the ring over jaxcomm's
+  TCP transport), wire dtype and size; the median time of ``--repeats``
+  calls, each checked against the closed form, and host 0's CPU seconds a call.
 - ``check``: one float32 allreduce of seeded normal values per wire, compared
   with a float64 NumPy sum of every device's input; prints the largest error
   against the bound :func:`error_bound` states.
