@@ -136,7 +136,7 @@ class TcpTransport final : public CpuTransport {
   const uint64_t fingerprint_;
   const uint64_t call_number_;        // which call of the site this is, counted per endpoint
   const Clock::time_point deadline_;  // for connecting; transfers get the timeout per wait
-  uint64_t step_ = 0;                 // SendRecvs so far in this call, in every header
+  uint64_t step_ = 0;                 // steps so far in this call, in every header
 };
 
 }  // namespace jaxcomm::cpu
