@@ -14,10 +14,11 @@ Workloads:
 
 - ``allreduce``: every cross-process allreduce path (xla ``auto`` = gloo's
   psum, xla ``ring`` over ppermute, ``hierarchical`` with 2 devices per
-  host), each with wire float32/float16/bfloat16, at 1, 4, 16, 64 MiB
-  float32 per device: median time, algbw = bytes/time, busbw =
-  2(H-1)/H x algbw for H hosts (what each host's link carries in a ring), and
-  busbw as a fraction of the link rate. Bytes are the float32 bytes reduced,
+  host; ``ffi``, jaxcomm's ring over its TCP transport, on request), each
+  with wire float32/float16/bfloat16, at 1, 4, 16, 64 MiB float32 per
+  device: median time, algbw = bytes/time, busbw = 2(H-1)/H x algbw for H
+  hosts (what each host's link carries in a ring), and busbw as a fraction
+  of the link rate. Bytes are the float32 bytes reduced,
   so a narrow wire can pass 100% (up to 200% for 2-byte wires); TCP/IP
   headers cap float32 at ~96% with a 1500-byte MTU.
 - ``train``: a wide MLP (~21M parameters by default) trained with each
@@ -98,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", help="allreduce sizes per device (default 1,4,16,64)")
     parser.add_argument(
         "--paths",
-        help="allreduce paths (default auto,ring,hierarchical; overlap: auto, or auto,ffi)",
+        help="allreduce paths (default auto,ring,hierarchical; or ffi; overlap: auto, or auto,ffi)",
     )
     parser.add_argument("--wires", help="wire dtypes (default float32,float16,bfloat16)")
     parser.add_argument("--repeats", type=int, help="timed calls per allreduce (default 3)")

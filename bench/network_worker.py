@@ -10,8 +10,9 @@ Workloads:
 
 - ``allreduce``: ``jaxcomm.allreduce`` over every device of every host, per
   path (xla ``auto`` = gloo's psum, xla ``ring`` over ppermute,
-  ``hierarchical`` over (host, local device)), wire dtype and size; the
-  median time of ``--repeats`` calls, each checked against the closed form.
+  ``hierarchical`` over (host, local device), ``ffi``: the ring over jaxcomm's
+  TCP transport), wire dtype and size; the median time of ``--repeats``
+  calls, each checked against the closed form, and host 0's CPU seconds a call.
 - ``check``: one float32 allreduce of seeded normal values per wire, compared
   with a float64 NumPy sum of every device's input; prints the largest error
   against the bound :func:`error_bound` states.
@@ -37,7 +38,9 @@ import time
 
 ROW_PREFIX = "@row "
 MIB = 1 << 20
-PATHS = ("auto", "ring", "hierarchical")  # jaxcomm.allreduce algorithms, xla backend
+# jaxcomm.allreduce algorithms on the xla backend, and "ffi": jaxcomm's own
+# ring over its TCP transport (backend="ffi").
+PATHS = ("auto", "ring", "hierarchical", "ffi")
 # The overlap workload's collectives: lax.psum (gloo, blocks XLA's thread) or
 # jaxcomm's ffi allreduce (TCP behind a future, XLA computes meanwhile).
 OVERLAP_PATHS = ("auto", "ffi")
@@ -121,6 +124,8 @@ def reducer(mesh, path: str, wire):
     import jaxcomm
 
     def body(x):
+        if path == "ffi":
+            return jaxcomm.allreduce(x, AXES, algorithm="ring", wire_dtype=wire, backend="ffi")
         return jaxcomm.allreduce(x, AXES, algorithm=path, wire_dtype=wire, backend="xla")
 
     # Every device's copy of the sum comes back, so nothing relies on the
@@ -150,6 +155,28 @@ def check_closed_form(y, expected, tolerance=0.0):
             )
 
 
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process, every thread."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of every core, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def machine_busy_since(before: tuple[int, int]) -> float:
+    """Fraction of the machine's cores busy since ``before`` (softirq included)."""
+    busy, total = machine_busy()
+    return (busy - before[0]) / max(1, total - before[1])
+
+
 def run_allreduce(args):
     import jax
     import numpy as np
@@ -176,17 +203,25 @@ def run_allreduce(args):
                     run = reducer(mesh, path, wire_dtype(wire_name))
                     y = jax.block_until_ready(run(x))  # compile + warm up
                     times = []
+                    cpu_before, busy_before = process_cpu_s(), machine_busy()
                     for _ in range(args.repeats):
                         start = time.perf_counter()
                         y = jax.block_until_ready(run(x))
                         times.append(time.perf_counter() - start)
+                    # CPU per call: this process (all threads), and how busy the
+                    # whole machine was (every host shares its cores).
+                    row["cpu_s"] = (process_cpu_s() - cpu_before) / args.repeats
+                    row["machine_busy"] = machine_busy_since(busy_before)
                     u = FP8_UNIT.get(wire_name, 0.0)
                     largest = 3.0 * mesh.size  # |pattern| <= 3, device d holds (d + 1) x it
                     check_closed_form(y, expected, mesh.size * (2 * u + u * u) * largest)
                     row["time_s"] = statistics.median(times)
                 except Exception as e:  # noqa: BLE001  (a failing path is a result)
                     row["error"] = describe_error(e)
-                progress(f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')}")
+                progress(
+                    f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')} s, "
+                    f"{row.get('cpu_s')} CPU s a call, machine {row.get('machine_busy')} busy"
+                )
                 emit(row)
 
 

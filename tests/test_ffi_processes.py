@@ -237,6 +237,25 @@ def test_tcp_transport_in_the_thread_harness(algorithm, intra):
         harness.tcp_forget(0)
 
 
+@pytest.mark.parametrize("algorithm, intra", [(0, 1), (1, 2)], ids=["ring", "hierarchical"])
+@pytest.mark.parametrize("n", [3, 1_000_003])
+def test_tcp_transport_streams_steps_of_many_segments(algorithm, intra, n):
+    """Chunks of ~1 MB stream in 256 KiB segments, each forwarded once added
+    (a mean, so the clamp before each send runs too); 3 elements over 4 ranks
+    leave empty chunks. Quarters of small integers: exact in float32."""
+    harness = _harness_ring(0, 4)
+    try:
+        rng = np.random.default_rng(2)
+        xs = [rng.integers(-50, 50, n).astype(np.float32) for _ in range(4)]
+        want = np.sum(np.stack(xs).astype(np.float64), axis=0) * 0.25
+        for _ in range(2):
+            outs = harness.run_threads(xs, 0, algorithm, -1, 0.25, 1.0, intra, [])
+            for out in outs:
+                np.testing.assert_array_equal(out, want)
+    finally:
+        harness.tcp_forget(0)
+
+
 def test_tcp_transport_names_a_rank_that_never_arrives():
     harness = _harness_ring(0, 4)
     timeout = harness.get_timeout()

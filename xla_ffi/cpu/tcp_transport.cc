@@ -359,7 +359,7 @@ std::string Mismatch(const Header& got, const Header& want) {
          " (an earlier call failed halfway)";
 }
 
-// One direction of a SendRecv: a header, then the payload.
+// One direction of one step: a header, then the payload.
 struct Stream {
   int fd;
   char* header;
@@ -376,22 +376,63 @@ struct Stream {
   }
 };
 
+// Received bytes are folded in (RingOps::Arrived) this many at a time: small
+// enough that the adds and the next step's sends keep pace with the link,
+// large enough that a call's fixed cost does not show.
+constexpr size_t kSegment = 256 << 10;
+
 }  // namespace
 
 Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void* recv,
                               size_t recv_bytes, int from) {
+  struct One final : RingOps {
+    RingStep step;
+    explicit One(RingStep step) : step(step) {}
+    RingStep Step(int) override { return step; }
+    void Arrived(int, size_t, size_t) override {}
+  } one({send, send_bytes, recv, recv_bytes});
+  return RingPhase(1, to, from, one);
+}
+
+Status TcpTransport::RingPhase(int steps, int to, int from, RingOps& ops) {
+  if (steps <= 0) return Status::Ok();
   const int to_rank = members_[to], from_rank = members_[from];
   int out_fd = -1, in_fd = -1;
   Status st = endpoint_.SocketTo(to_rank, deadline_, &out_fd);
   if (st.ok()) st = endpoint_.SocketFrom(from_rank, deadline_, &in_fd);
   if (!st.ok()) return Status(st.code(), call_ + ": " + st.message());
 
-  ++step_;
-  Header out_header{fingerprint_, send_bytes, call_number_, step_}, in_header{};
-  const Header expected{fingerprint_, recv_bytes, call_number_, step_};
-  Stream out{out_fd, reinterpret_cast<char*>(&out_header),
-             const_cast<char*>(static_cast<const char*>(send)), send_bytes};
-  Stream in{in_fd, reinterpret_cast<char*>(&in_header), static_cast<char*>(recv), recv_bytes};
+  const uint64_t first_step = step_ + 1;  // every header carries its step's number
+  step_ += steps;
+  // The send cursor: step `sent_steps`, and the receive cursor: step
+  // `got_steps`, of which `folded` payload bytes went through Arrived.
+  int sent_steps = 0, got_steps = 0;
+  size_t folded = 0;
+  Header out_header{}, in_header{}, expected{};
+  Stream out{out_fd, reinterpret_cast<char*>(&out_header), nullptr, 0};
+  Stream in{in_fd, reinterpret_cast<char*>(&in_header), nullptr, 0};
+  auto start_send = [&] {
+    const RingStep b = ops.Step(sent_steps);
+    out_header = {fingerprint_, b.send_bytes, call_number_, first_step + sent_steps};
+    out.payload = const_cast<char*>(static_cast<const char*>(b.send));
+    out.payload_bytes = b.send_bytes;
+    out.done = 0;
+  };
+  auto start_recv = [&] {
+    const RingStep b = ops.Step(got_steps);
+    expected = {fingerprint_, b.recv_bytes, call_number_, first_step + got_steps};
+    in.payload = static_cast<char*>(b.recv);
+    in.payload_bytes = b.recv_bytes;
+    in.done = 0;
+    folded = 0;
+  };
+  start_send();
+  start_recv();
+  // How far the current send may go: step s+1's bytes wait for step s's to be folded in.
+  auto sendable = [&]() -> size_t {
+    if (sent_steps == 0 || got_steps >= sent_steps) return out.total();
+    return sizeof(Header) + folded;  // got_steps == sent_steps - 1
+  };
   struct MidMessage {  // records, however this returns, whether `out` stopped partway
     TcpEndpoint& endpoint;
     int rank;
@@ -400,14 +441,16 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
   } mid_message{endpoint_, to_rank, out};
   const Clock::duration patience = Timeout();
   bool grace_used = false;
-  while (!out.finished() || !in.finished()) {
+  while (sent_steps < steps || got_steps < steps) {
+    const bool sending = sent_steps < steps && out.done < sendable();
+    const bool receiving = got_steps < steps;
     pollfd p[2];
     int n = 0;
-    if (!out.finished()) p[n++] = {out.fd, POLLOUT, 0};
-    if (!in.finished()) p[n++] = {in.fd, POLLIN, 0};
+    if (sending) p[n++] = {out.fd, POLLOUT, 0};
+    if (receiving) p[n++] = {in.fd, POLLIN, 0};
     const int ready = poll(p, n, MillisLeft(Clock::now() + patience));
     if (ready < 0 && errno == EINTR) continue;
-    if (ready == 0 && !in.finished() && !grace_used) {
+    if (ready == 0 && receiving && !grace_used) {
       // The peer that stalled may itself be timing out on its own upstream
       // just now: give its failure notice a moment to arrive, so the error
       // names the first cause rather than the nearest rank.
@@ -416,23 +459,28 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
       if (poll(&last, 1, 500) == 1) continue;
     }
     if (ready == 0) {
-      const std::string what = !in.finished() ? endpoint_.Peer(from_rank) + " sent nothing"
-                                              : endpoint_.Peer(to_rank) + " took nothing";
+      const std::string what = receiving ? endpoint_.Peer(from_rank) + " sent nothing"
+                                         : endpoint_.Peer(to_rank) + " took nothing";
       return Status(Code::kDeadlineExceeded,
                     call_ + ": " + what + " for " + SecondsText(patience) +
                         "; its process, or one before it on the ring, is not running this "
                         "collective");
     }
-    if (!out.finished()) {
-      const ssize_t k = ::send(out.fd, out.at(), out.left_in_part(), MSG_NOSIGNAL);
+    if (sending) {
+      const size_t part = std::min(out.left_in_part(), sendable() - out.done);
+      const ssize_t k = ::send(out.fd, out.at(), part, MSG_NOSIGNAL);
       if (k > 0) {
         out.done += static_cast<size_t>(k);
       } else if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         return Status(Code::kAborted, call_ + ": lost the connection to " +
                                           endpoint_.Peer(to_rank) + ": " + Errno(errno));
       }
+      if (out.finished()) {
+        bytes_sent_ += out.payload_bytes;
+        if (++sent_steps < steps) start_send();
+      }
     }
-    if (!in.finished()) {
+    if (receiving) {
       const size_t before = in.done;
       const ssize_t k = ::recv(in.fd, in.at(), in.left_in_part(), 0);
       if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
@@ -453,9 +501,16 @@ Status TcpTransport::SendRecv(const void* send, size_t send_bytes, int to, void*
         return Status(Code::kInvalidArgument, call_ + ": " + Mismatch(in_header, expected) +
                                                   " from " + endpoint_.Peer(from_rank));
       }
+      // Fold in every whole segment, and the tail once the step is complete.
+      const size_t got = in.done > sizeof(Header) ? in.done - sizeof(Header) : 0;
+      while (got - folded >= kSegment || (in.finished() && folded < got)) {
+        const size_t end = std::min(folded + kSegment, got);
+        ops.Arrived(got_steps, folded, end);
+        folded = end;
+      }
+      if (in.finished() && ++got_steps < steps) start_recv();
     }
   }
-  bytes_sent_ += send_bytes;
   return Status::Ok();
 }
 

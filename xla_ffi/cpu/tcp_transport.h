@@ -9,6 +9,10 @@
 // the connections for later calls. Ranks of one process talk over TCP too
 // (loopback), so every pair of ranks is reached the same way.
 //
+// A ring phase streams (RingPhase): what step s+1 forwards goes out segment by
+// segment as step s's bytes arrive and are added, so neither the link nor the
+// adds wait for a whole chunk.
+//
 // Both halves of a SendRecv run at once (non-blocking sockets and poll), so
 // two ranks that send to each other never wait for one another. Every wait is
 // bounded by the collective timeout: a peer that never connects, stops
@@ -119,6 +123,9 @@ class TcpTransport final : public CpuTransport {
   int size() const override { return static_cast<int>(members_.size()); }
   Status SendRecv(const void* send, size_t send_bytes, int to, void* recv, size_t recv_bytes,
                   int from) override;
+  // Streams the steps: one header and payload after another on each socket,
+  // step s+1's bytes sent as soon as Arrived(s) covered them (see Transport).
+  Status RingPhase(int steps, int to, int from, RingOps& ops) override;
   void Abort(const std::string& reason) override;
 
  private:
@@ -129,7 +136,7 @@ class TcpTransport final : public CpuTransport {
   const uint64_t fingerprint_;
   const uint64_t call_number_;        // which call of the site this is, counted per endpoint
   const Clock::time_point deadline_;  // for connecting; transfers get the timeout per wait
-  uint64_t step_ = 0;                 // SendRecvs so far in this call, in every header
+  uint64_t step_ = 0;                 // steps so far in this call, in every header
 };
 
 }  // namespace jaxcomm::cpu
