@@ -42,7 +42,9 @@ Rules:
   the last compressed gradient is, then every Q (``cols · rank``), which
   needs the reduced P: it starts when P's collective ends. ``bucket_bytes``
   does not apply (powersgd fuses all it sends), nor do ``density`` and
-  ``double_buffering`` (powersgd has neither). The power step's matmuls and
+  ``double_buffering`` (powersgd has neither). On the xla backend XLA's
+  all-reduce combiner may merge the dense leaves' collective with P's (they
+  are independent): one collective's latency fewer than modelled. The power step's matmuls and
   orthogonalisation (about ``6 · rows · cols · rank`` flops per matrix, the
   QR of P besides) are folded into compute like the optimizer update: the
   ``Workload``'s compute times must include them.
