@@ -24,8 +24,8 @@ Rules:
   to finish by the end of step t+1's backward, so in steady state the step takes
   ``max(compute, total communication)``: the slower of the two resources.
 * An FP8 wire (``float8_e4m3fn``, ``float8_e5m2``) runs jaxcomm's one
-  schedule for it, whatever ``algorithm`` says: an all-to-all, float32 adds,
-  a ring all-gather (:meth:`Cluster.alltoall_time`,
+  schedule for it (``algorithm`` stays ``"ring"``, the default): an
+  all-to-all, float32 adds, a ring all-gather (:meth:`Cluster.alltoall_time`,
   :meth:`Cluster.allgather_time`). A bucket of ``n`` elements in ``k``
   leaves (parts) is padded to ``p`` rows of ``r = ⌈n/p⌉`` bytes; each row
   carries an int16 exponent per part in the all-to-all and one in the
@@ -44,10 +44,12 @@ Rules:
   does not apply (powersgd fuses all it sends), nor do ``density`` and
   ``double_buffering`` (powersgd has neither). On the xla backend XLA's
   all-reduce combiner may merge the dense leaves' collective with P's (they
-  are independent): one collective's latency fewer than modelled. The power step's matmuls and
-  orthogonalisation (about ``6 · rows · cols · rank`` flops per matrix, the
-  QR of P besides) are folded into compute like the optimizer update: the
-  ``Workload``'s compute times must include them.
+  are independent): one collective's latency fewer than modelled. The
+  power step's matmuls and orthogonalisation (about
+  ``6 · rows · cols · rank`` flops per matrix, the QR of P besides) are
+  folded into compute like the optimizer update: the ``Workload``'s compute
+  times must include them (``bench/network_model.py`` measures them with
+  the rest of the step's compute).
 * The optimizer update and the wire casts are folded into compute; one GPU is
   the same step without communication.
 
@@ -69,6 +71,14 @@ Examples:
   >>> r = simulate(w, c, Settings(powersgd_rank=4))
   >>> [(k.kind, k.nbytes) for k in r.collectives]
   [('gradients', 4000), ('P', 16000), ('Q', 16000)]
+
+  An FP8 wire on the 2-rank link: 1000 one-byte elements in 2 rows of 500,
+  an exponent pair with each row both ways, 2 latencies:
+
+  >>> w = Workload((GradientTensor(1000, 0.0),), forward_time=0.0, batch=1)
+  >>> r = simulate(w, c, Settings(wire_dtype="float8_e4m3fn"))
+  >>> r.collectives[0].nbytes, round(r.iteration_time * 1e9, 3)  # 502 + 502 bytes, ns
+  (1004, 1004.0)
 """
 
 from __future__ import annotations
@@ -166,7 +176,8 @@ class Settings:
 
     Attributes:
       wire_dtype: dtype on the wire (anything ``numpy.dtype`` accepts, e.g.
-        ``"float32"``, ``"float16"``, ``jnp.bfloat16``).
+        ``"float32"``, ``"float16"``, ``jnp.bfloat16``, ``"float8_e4m3fn"``,
+        ``jnp.float8_e5m2``; an 8-bit one runs the FP8 schedule).
       bucket_bytes: fusion threshold θ in gradient bytes; 0 is one collective
         per tensor, ``math.inf`` one for all.
       overlap: start each bucket when its gradients exist (else after backward).
@@ -330,7 +341,7 @@ def _gradient_collective(
         to_all = p * (row + FP8_EXPONENT_BYTES * parts)
         gathered = p * (row + FP8_EXPONENT_BYTES)
         seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
-        return (to_all + gathered) / 2, seconds
+        return (to_all + gathered) // 2, seconds  # p(r + k + 1)
     nbytes = elements * settings.density * settings.wire_itemsize
     return nbytes, cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
 
