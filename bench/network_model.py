@@ -14,7 +14,16 @@ Reads the JSON rows of ``bench/network.py`` and does two things:
    one collective, as the dense ``pmean`` is one fused all-reduce), whose
    bytes follow the configuration: float32 ``4·params``, a 16-bit wire
    ``2·params``, chunk-sparse ``density`` of that plus one float32 norm per
-   chunk in a second allreduce.
+   chunk in a second allreduce. FP8 (``fp8``, ``fp8_ef``): one all-to-all
+   and one all-gather per leaf (xla's default ``bucket_bytes=0``; XLA
+   combines none of them), one byte an element plus int16 exponents, ``pα``
+   each instead of the ring's ``2(p-1)α``. PowerSGD (``powersgd_r4``): the
+   MLP's leaf shapes (from the row's ``features``/``hidden``/``classes``, or
+   the worker's defaults when its parameter count matches) decide which
+   leaves are compressed; the dense leaves, then every P, then every Q.
+
+   The FP8 allreduce rows (path ``auto``, not fitted) are predicted with the
+   same fit, as a check of the all-to-all + all-gather term alone.
 
    What is measured and what is predicted:
 
@@ -64,8 +73,11 @@ from jaxcomm.costmodel import (  # noqa: E402  (the repository's jaxcomm, not an
 )
 
 FIT_PATHS = ("auto", "ring")  # both are a ring across processes (gloo's, or ppermute's)
-WIRE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+WIRE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # the fitted (ring) wires
+FP8_WIRES = ("float8_e4m3fn", "float8_e5m2")  # all-to-all + all-gather: predicted, not fitted
 DENSITY = 0.15  # bench/network_worker.py's chunk_sparse density
+# bench/network_worker.py's MLP: (features, hidden), (hidden, hidden), (hidden, classes).
+MLP_DEFAULTS = {"features": 1024, "hidden": 4096, "classes": 10}
 
 # Every exchange is one collective of all gradients (bucket_bytes=inf).
 CONFIG_SETTINGS = {
@@ -82,6 +94,10 @@ CONFIG_SETTINGS = {
     "double_buffering": Settings(bucket_bytes=math.inf),
     "chunk_sparse": Settings(density=DENSITY, bucket_bytes=math.inf),
     "chunk_sparse_fp16": Settings(wire_dtype="float16", density=DENSITY, bucket_bytes=math.inf),
+    # xla's default bucket_bytes=0: one all-to-all + all-gather per leaf.
+    "fp8": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
+    "fp8_ef": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
+    "powersgd_r4": Settings(powersgd_rank=4),
 }
 # A configuration without its own fastest-link row does the same CPU work as this one.
 COMPUTE_FROM = {"bf16": "fp16", "bf16_ef": "fp16_ef"}
@@ -94,7 +110,11 @@ LIMITS = """What the model does not know:
   the rate, so where the host and not the link limits (10 Gbit/s here) that
   cost sits in the calibrated compute term;
 - overlap on CPU: none is assumed (XLA's CPU runtime runs the collective in the
-  step's own sequence); 'overlapped' shows the GPU rule for comparison."""
+  step's own sequence); 'overlapped' shows the GPU rule for comparison;
+- an FP8 allreduce's own CPU work (scaling, encoding, float32 adds) is not in
+  its communication term (it is in the calibrated compute of a training row);
+- PowerSGD on xla: XLA's combiner merges the dense leaves' all-reduce with P's
+  (independent of each other), one ring latency fewer than the model's three."""
 
 
 def say(message: str):
@@ -118,7 +138,7 @@ def fit_links(rows) -> dict[tuple[int, int, int], LinkFit]:
     """α, β per (rate_bps, hosts, devices) from the timed ring-path allreduce rows."""
     groups: dict[tuple[int, int, int], list[dict]] = {}
     for r in rows:
-        if r.get("path") in FIT_PATHS and "time_s" in r:
+        if r.get("path") in FIT_PATHS and "time_s" in r and r.get("wire") in WIRE_ITEMSIZE:
             groups.setdefault((r["rate_bps"], r["hosts"], r["devices"]), []).append(r)
     fits = {}
     for key, group in sorted(groups.items()):
@@ -143,7 +163,7 @@ def fit_table(rows, fits) -> str:
             f"  {'path':<6}{'wire':<10}{'MiB f32':>8}{'measured s':>12}{'fit s':>9}{'err':>8}"
         )
         for r in rows:
-            if r.get("path") in FIT_PATHS and "time_s" in r:
+            if r.get("path") in FIT_PATHS and "time_s" in r and r.get("wire") in WIRE_ITEMSIZE:
                 if (r["rate_bps"], r["hosts"], r["devices"]) != (rate, hosts, devices):
                     continue
                 fitted = fit.predict(bytes_on_wire(r))
@@ -167,15 +187,68 @@ def link_at(fits, rate_bps: int, hosts: int, devices: int) -> tuple[LinkFit, str
     return scaled, f"beta scaled from {nearest / 1e6:g} Mbit/s"
 
 
-def step_time(params: int, compute_s: float, link: LinkFit, settings: Settings) -> float:
-    """One step: ``compute_s`` of compute, then ``settings``' exchange on ``link``."""
-    workload = Workload((GradientTensor(params, compute_s),), forward_time=0.0, batch=1)
+def leaf_shapes(row: dict) -> list[tuple[int, ...]] | None:
+    """The MLP's leaf shapes in tree order (b1, b2, b3, w1, w2, w3), or None if unknown."""
+    sizes = {k: row.get(k, v) for k, v in MLP_DEFAULTS.items()}
+    f, h, c = sizes["features"], sizes["hidden"], sizes["classes"]
+    shapes = [(h,), (h,), (c,), (f, h), (h, h), (h, c)]
+    if sum(math.prod(s) for s in shapes) != row["params"]:
+        return None  # another model: only its parameter count is known
+    return shapes
+
+
+def step_time(row: dict, compute_s: float, link: LinkFit, settings: Settings) -> float:
+    """One step of ``row``'s model: ``compute_s`` of compute, then ``settings``'
+    exchange on ``link``."""
+    shapes = leaf_shapes(row)
+    if shapes is None:
+        tensors = (GradientTensor(row["params"], compute_s),)
+    else:  # backward produces the leaves in reverse tree order
+        tensors = tuple(
+            GradientTensor(math.prod(s), compute_s if i == 0 else 0.0, shape=s)
+            for i, s in enumerate(reversed(shapes))
+        )
+    workload = Workload(tensors, forward_time=0.0, batch=1)
     cluster = cpu_host(devices=link.p, alpha=link.alpha, beta=link.beta)
     return simulate(workload, cluster, settings).iteration_time
 
 
-def communication_time(params: int, link: LinkFit, settings: Settings) -> float:
-    return step_time(params, 0.0, link, settings)
+def communication_time(row: dict, link: LinkFit, settings: Settings) -> float:
+    return step_time(row, 0.0, link, settings)
+
+
+def fp8_allreduce_rows(rows, fits) -> list[dict]:
+    """The FP8 allreduce rows (not fitted) against the model, with the fit of their link."""
+    out = []
+    for r in rows:
+        if r.get("wire") not in FP8_WIRES or "time_s" not in r:
+            continue
+        key = (r["rate_bps"], r["hosts"], r["devices"])
+        if key not in fits:
+            continue
+        fit = fits[key]
+        cluster = cpu_host(devices=fit.p, alpha=fit.alpha, beta=fit.beta)
+        workload = Workload((GradientTensor(r["bytes"] // 4, 0.0),), forward_time=0.0, batch=1)
+        predicted = simulate(workload, cluster, Settings(wire_dtype=r["wire"])).iteration_time
+        # The same bytes as a ring would take (2(p-1) latencies), for comparison.
+        ring = fit.predict(r["bytes"] / 4)
+        out.append({**r, "predicted_s": predicted, "ring_s": ring})
+    return out
+
+
+def fp8_table(rows) -> str:
+    lines = [
+        "FP8 allreduce rows (not fitted): all-to-all + all-gather with the ring fit",
+        f"  {'rate':<10}{'wire':<15}{'MiB f32':>8}{'measured s':>12}{'model s':>9}"
+        f"{'err':>8}{'as ring s':>11}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['rate_bps'] / 1e6:<10g}{r['wire']:<15}{r['bytes'] / 2**20:>8g}"
+            f"{r['time_s']:>12.3f}{r['predicted_s']:>9.3f}"
+            f"{100 * (r['predicted_s'] / r['time_s'] - 1):>+7.1f}%{r['ring_s']:>11.3f}"
+        )
+    return "\n".join(lines)
 
 
 def compute_terms(train_rows, fits) -> dict[tuple[int, int, str], tuple[float, int]]:
@@ -193,7 +266,7 @@ def compute_terms(train_rows, fits) -> dict[tuple[int, int, str], tuple[float, i
         if r["rate_bps"] != fastest[(r["hosts"], r["devices"])]:
             continue
         link, _ = link_at(fits, r["rate_bps"], r["hosts"], r["devices"])
-        comm = communication_time(r["params"], link, CONFIG_SETTINGS[r["config"]])
+        comm = communication_time(r, link, CONFIG_SETTINGS[r["config"]])
         if comm > r["step_s"]:
             say(f"{r['config']}: communication alone {comm:.3f} s > step {r['step_s']:.3f} s")
         terms[(r["hosts"], r["devices"], r["config"])] = (
@@ -219,7 +292,10 @@ def predict(train_rows, fits) -> list[dict]:
         compute, at = terms[(hosts, devices, compute_from)]
         link, link_basis = link_at(fits, r["rate_bps"], hosts, devices)
         settings = CONFIG_SETTINGS[config]
-        predicted = step_time(r["params"], compute, link, settings)
+        if settings.powersgd_rank is not None and leaf_shapes(r) is None:
+            say(f"{config}: leaf shapes unknown for {r['params']} parameters; skipped")
+            continue
+        predicted = step_time(r, compute, link, settings)
         row = {
             "rate_bps": r["rate_bps"],
             "hosts": hosts,
@@ -231,13 +307,14 @@ def predict(train_rows, fits) -> list[dict]:
             "error": predicted / r["step_s"] - 1,
             "compute_s": compute,
             "compute_from": f"{compute_from} at {at / 1e6:g} Mbit/s",
-            "communication_s": communication_time(r["params"], link, settings),
+            "communication_s": communication_time(r, link, settings),
             "link": link_basis,
             "calibration": compute_from == config and r["rate_bps"] == at,
+            **{k: r[k] for k in MLP_DEFAULTS if k in r},  # the leaf shapes, for the plot
         }
         if config == "double_buffering":
             overlapped = dataclasses.replace(settings, double_buffering=True)
-            row["predicted_overlapped_s"] = step_time(r["params"], compute, link, overlapped)
+            row["predicted_overlapped_s"] = step_time(r, compute, link, overlapped)
         out.append(row)
     return out
 
@@ -285,7 +362,7 @@ def plot(rows, fits, path: str):
         first = mine[0]
         line = [
             step_time(
-                first["params"],
+                first,
                 first["compute_s"],
                 link_at(fits, rate, first["hosts"], first["devices"])[0],
                 CONFIG_SETTINGS[config],
@@ -323,6 +400,9 @@ def main(argv=None) -> int:
         say("no allreduce rows to fit")
         return 1
     print(fit_table(allreduce_rows, fits))
+    fp8_rows = fp8_allreduce_rows(allreduce_rows, fits)
+    if fp8_rows:
+        print(fp8_table(fp8_rows))
     train_rows = load_rows(args.train)
     rows = predict(train_rows, fits)
     print(prediction_table(rows))

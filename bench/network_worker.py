@@ -405,6 +405,8 @@ def run_train(args):
 
     for config in args.configs.split(","):
         row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
+        # The leaf shapes follow from these (the cost model's PowerSGD term needs them).
+        row.update(features=args.features, hidden=args.hidden, classes=classes)
         try:
             if config == "hierarchical" and local < 2:
                 raise ValueError("needs --devices-per-host 2")

@@ -79,6 +79,13 @@ def check_positive(name: str, value) -> float:
     return float(value)
 
 
+def check_positive_real(name: str, value) -> float:
+    """A real number > 0 (inf allowed: a rate, a ratio)."""
+    if not is_real(value):
+        raise TypeError(f"{name}={value!r} must be a number")
+    return check_positive(name, value)
+
+
 def check_bucket_bytes(bucket_bytes) -> float:
     """The fusion threshold θ: 0, a positive number, or math.inf."""
     if not is_real(bucket_bytes):

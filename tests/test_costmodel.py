@@ -6,6 +6,8 @@ import pytest
 
 from jaxcomm.costmodel import (
     Cluster,
+    allgather_time,
+    alltoall_time,
     hierarchical_allreduce_time,
     pcie_infiniband,
     ring_allreduce_time,
@@ -163,3 +165,63 @@ def test_bad_cluster(kwargs):
 def test_bad_algorithm():
     with pytest.raises(ValueError, match="algorithm"):
         _cluster().allreduce_time(1, algorithm="butterfly")
+
+
+# --- The FP8 wire's collectives: all-to-all and ring all-gather. ------------------
+
+
+def test_alltoall_pays_one_latency_and_the_ring_half_bytes():
+    # 4 ranks, 4000-byte buffer: 3 rows of 1000 leave each rank, all in flight at once.
+    assert alltoall_time(4000, p=4, alpha=5.0, beta=1e-3) == pytest.approx(5.0 + 3000 * 1e-3)
+    assert alltoall_time(4000, p=1, alpha=5.0, beta=1e-3) == 0.0
+
+
+def test_allgather_is_a_ring_half():
+    # 3 steps of 1000 bytes each.
+    assert allgather_time(4000, p=4, alpha=5.0, beta=1e-3) == pytest.approx(3 * (5.0 + 1.0))
+    assert allgather_time(4000, p=1, alpha=5.0, beta=1e-3) == 0.0
+
+
+def test_alltoall_plus_allgather_against_the_ring():
+    # Same bytes as a ring allreduce, p latencies instead of 2(p-1).
+    n, p, a, b = 1e6, 8, 1e-3, 1e-9
+    both = alltoall_time(n, p=p, alpha=a, beta=b) + allgather_time(n, p=p, alpha=a, beta=b)
+    assert both == pytest.approx(ring_allreduce_time(n, p=p, alpha=a, beta=b) - 6 * a)
+
+
+def test_cluster_alltoall_across_nodes_is_nic_bound():
+    # 4 GPUs a node, 2 nodes, 1 GB/s everywhere: each NIC carries the 4 GPUs'
+    # rows for the other node, 4 x 4 x 1e6 bytes = 16e6 (a GPU's own link 7e6).
+    c = Cluster(
+        gpus_per_node=4,
+        nodes=2,
+        intra_bandwidth=1e9,
+        intra_latency=1e-6,
+        inter_bandwidth=1e9,
+        inter_latency=1e-3,
+    )
+    assert c.alltoall_time(8e6) == pytest.approx(1e-3 + 16e-3)
+    # A fast NIC leaves each GPU's own 7 of 8 rows: 7e6 bytes at 1 GB/s.
+    fast_nic = Cluster(
+        gpus_per_node=4,
+        nodes=2,
+        intra_bandwidth=1e9,
+        intra_latency=1e-6,
+        inter_bandwidth=1e12,
+        inter_latency=1e-3,
+    )
+    assert fast_nic.alltoall_time(8e6) == pytest.approx(1e-3 + 7e-3)
+    # The all-gather is the flat ring's half: 7 steps of 1e6 bytes, at the NIC's latency.
+    assert c.allgather_time(8e6) == pytest.approx(7 * (1e-3 + 1e-3))
+
+
+def test_cluster_alltoall_on_one_node():
+    c = Cluster(
+        gpus_per_node=2,
+        nodes=1,
+        intra_bandwidth=1e9,
+        intra_latency=2e-6,
+        inter_bandwidth=1.0,
+        inter_latency=1.0,
+    )
+    assert c.alltoall_time(2e6) == pytest.approx(2e-6 + 1e-3)

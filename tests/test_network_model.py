@@ -111,7 +111,43 @@ def test_chunk_sparse_step_by_hand():
     link = LinkFit(alpha=ALPHA, beta=BETA, p=HOSTS)
     settings = network_model.CONFIG_SETTINGS["chunk_sparse"]
     expected = 1.0 + 2 * 6 * ALPHA + 1.5 * (1966080 + 400) * BETA
-    assert network_model.step_time(100 * 32768, 1.0, link, settings) == pytest.approx(expected)
+    row = {"params": 100 * 32768}
+    assert network_model.step_time(row, 1.0, link, settings) == pytest.approx(expected)
+
+
+MLP_ROW = {"params": 21_020_682}  # the worker's default MLP: 1024 -> 4096 -> 4096 -> 10
+
+
+def test_fp8_step_by_hand():
+    # One all-to-all + all-gather per leaf (4 latencies each, 6 leaves), 4 ranks:
+    # each sends 3 rows of (row + 2) bytes in each, rows of ceil(n / 4) bytes:
+    # b1, b2 1024; b3 3; w1 1048576; w2 4194304; w3 10240.
+    link = LinkFit(alpha=ALPHA, beta=BETA, p=HOSTS)
+    rows = [1024, 1024, 3, 1048576, 4194304, 10240]
+    expected = 1.0 + 6 * 4 * ALPHA + sum(6 * (r + 2) for r in rows) * BETA
+    got = network_model.step_time(MLP_ROW, 1.0, link, network_model.CONFIG_SETTINGS["fp8"])
+    assert got == pytest.approx(expected)
+
+
+def test_powersgd_step_by_hand():
+    # Rank 4, rate 2: w1 (1024, 4096), w2 (4096, 4096) and w3 (4096, 10)
+    # ((4106) x 8 = 32848 <= 40960) are compressed: P 4096 + 16384 + 16384
+    # elements, Q 16384 + 16384 + 40; the biases, 4096 + 4096 + 10, go densely.
+    # Three float32 ring allreduces of 6 latencies each.
+    link = LinkFit(alpha=ALPHA, beta=BETA, p=HOSTS)
+    elements = (4096 + 4096 + 10) + (4096 + 16384 + 16384) + (16384 + 16384 + 40)
+    expected = 1.0 + 3 * 6 * ALPHA + 1.5 * 4 * elements * BETA
+    settings = network_model.CONFIG_SETTINGS["powersgd_r4"]
+    assert network_model.step_time(MLP_ROW, 1.0, link, settings) == pytest.approx(expected)
+    # Another model's rows carry its sizes.
+    small = {
+        "params": 8 * 16 + 16 + 16 * 16 + 16 + 16 * 2 + 2,
+        "features": 8,
+        "hidden": 16,
+        "classes": 2,
+    }
+    assert network_model.leaf_shapes(small) == [(16,), (16,), (2,), (8, 16), (16, 16), (16, 2)]
+    assert network_model.leaf_shapes({"params": 7}) is None
 
 
 def test_command_writes_rows_and_plot(tmp_path, capsys):

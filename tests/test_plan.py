@@ -148,3 +148,23 @@ def test_fit_cluster_builds_a_one_node_cluster(monkeypatch):
     assert (cluster.nodes, cluster.gpus_per_node) == (1, 8)
     assert f.alpha == pytest.approx(10e-6) and f.beta == pytest.approx(1e-9)
     assert cluster.allreduce_time(1 << 20) == pytest.approx(_ring(1 << 20, 8, 10e-6, 1e-9))
+
+
+def test_an_fp8_candidate_is_tried_once_under_its_own_schedule():
+    # One node of 4 ranks, bandwidth-bound: 4e6 float32 elements. float8 moves
+    # 2 x 3/4 x 4e6 bytes (plus exponents), float16 twice that: float8 wins,
+    # and an FP8 wire is never paired with "hierarchical" (which would raise).
+    net = Cluster(
+        gpus_per_node=4,
+        nodes=1,
+        intra_bandwidth=1e9,
+        intra_latency=0.0,
+        inter_bandwidth=1e9,
+        inter_latency=0.0,
+    )
+    w = Workload((GradientTensor(4_000_000, 0.0),), forward_time=0.0, batch=1)
+    p = plan(w, net, wire_dtypes=("float16", "float8_e4m3fn"), algorithms=("hierarchical", "ring"))
+    assert (p.wire_dtype, p.algorithm) == ("float8_e4m3fn", "ring")
+    assert p.result.iteration_time == pytest.approx((6e6 + 3 * 2 + 3 * 2) / 1e9)
+    with pytest.raises(ValueError, match="ring"):
+        plan(w, net, wire_dtypes=("float8_e4m3fn",), algorithms=("hierarchical",))

@@ -44,6 +44,8 @@ def test_workload_backward_order_and_times():
     # fc8's backward time; its bias follows at no extra time.
     fc8 = p.layers[-1]
     assert w.tensors[0].elements == 4096 * 1000
+    assert w.tensors[0].shape == (4096, 1000)  # Flax's (in, out) kernel, for PowerSGD
+    assert w.tensors[1].shape == (1000,)
     assert w.tensors[0].backward_time == pytest.approx(0.2 / 3 * fc8.flops / p.flops)
     assert w.tensors[1].elements == 1000
     assert w.tensors[1].backward_time == 0.0

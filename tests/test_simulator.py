@@ -131,6 +131,13 @@ def test_chunk_sparse_sends_density_and_the_chunk_norms():
         dict(wire_dtype="int8"),
         dict(wire_dtype="not-a-dtype"),
         dict(chunk_elements=0),
+        dict(wire_dtype="float8_e4m3fn", algorithm="hierarchical"),
+        dict(wire_dtype="float8_e5m2", density=0.5),
+        dict(powersgd_rank=0),
+        dict(powersgd_rank=2, density=0.5),
+        dict(powersgd_rank=2, double_buffering=True),
+        dict(powersgd_rank=2, wire_dtype="float8_e4m3fn"),
+        dict(min_compression_rate=0.0),
     ],
 )
 def test_bad_settings(kwargs):
@@ -147,3 +154,174 @@ def test_bad_workload():
         GradientTensor(-1, 0.0)
     with pytest.raises(ValueError):
         GradientTensor(1, -1.0)
+    with pytest.raises(ValueError, match="shape"):
+        GradientTensor(6, 0.0, shape=(2, 2))
+    with pytest.raises(TypeError, match="shape"):
+        GradientTensor(4, 0.0, shape=[2, 2])
+    with pytest.raises(TypeError, match="min_compression_rate"):
+        Settings(min_compression_rate="2")
+
+
+# --- FP8 wires ----------------------------------------------------------------
+
+
+def test_fp8_wire_bytes_exponents_padding_and_latency():
+    # 4 ranks, 1 ms a step, 1 MB/s. One bucket of 1000 + 1001 elements (2 parts):
+    # 2001 bytes padded to 4 rows of 501. All-to-all: each rank sends 3 rows of
+    # 501 + 2 x 2 exponent bytes = 1515 bytes, one latency; all-gather: 3 rows
+    # of 501 + 2 = 1509 bytes, 3 latencies.
+    w = Workload((GradientTensor(1000, 1.0), GradientTensor(1001, 0.0)), forward_time=0.0, batch=1)
+    net = _net(p=4, bandwidth=1e6, latency=1e-3)
+    r = simulate(w, net, Settings(wire_dtype="float8_e4m3fn", bucket_bytes=math.inf))
+    (c,) = r.collectives
+    assert c.nbytes == 4 * (501 + 2 + 1)  # jaxcomm's payload: bytes_sent is 2(p-1)/p of it
+    assert c.end - c.start == pytest.approx(4e-3 + (1515 + 1509) / 1e6)
+    assert r.iteration_time == pytest.approx(1.0 + 4e-3 + 3024e-6)
+
+
+def test_fp8_wire_unfused_has_one_exponent_per_collective_and_fewer_latencies_than_a_ring():
+    # 8 ranks, 800 elements a leaf (rows of 100), bucket_bytes=0: two collectives.
+    # Per collective: 7 x (100 + 2) + 7 x (100 + 2) bytes and 8 latencies, where the
+    # float16 ring moves 2 x 7/8 x 1600 = 2800 bytes in 14 latencies.
+    w = Workload((GradientTensor(800, 0.0), GradientTensor(800, 0.0)), forward_time=0.0, batch=1)
+    net = _net(p=8, bandwidth=1e6, latency=1e-3)
+    fp8 = simulate(w, net, Settings(wire_dtype="float8_e5m2"))
+    assert [c.nbytes for c in fp8.collectives] == [8 * 102, 8 * 102]
+    assert fp8.iteration_time == pytest.approx(2 * (8e-3 + 1428e-6))
+    fp16 = simulate(w, net, Settings(wire_dtype="float16"))
+    assert fp16.iteration_time == pytest.approx(2 * (14e-3 + 2800e-6))
+
+
+def test_fp8_wire_on_one_rank_sends_nothing():
+    w = Workload((GradientTensor(1000, 1.0),), forward_time=0.0, batch=1)
+    r = simulate(w, _net(p=1, latency=1.0), Settings(wire_dtype="float8_e4m3fn"))
+    assert r.iteration_time == 1.0 and r.communication_time == 0.0
+
+
+# --- PowerSGD -------------------------------------------------------------------
+
+# Backward order. At rank 4 and rate 2: (100, 50) is compressed ((150) x 8 <= 5000),
+# P 400 and Q 200 elements; (50,), (10, 3, 4) ((10 + 12) x 8 > 120) and (8, 8)
+# ((16) x 8 > 64) are sent densely: 50 + 120 + 64 = 234 elements.
+PSGD = Workload(
+    (
+        GradientTensor(5000, 1.0, shape=(100, 50)),
+        GradientTensor(50, 1.0, shape=(50,)),
+        GradientTensor(120, 0.0, shape=(10, 3, 4)),
+        GradientTensor(64, 1.0, shape=(8, 8)),
+    ),
+    forward_time=1.0,
+    batch=1,
+)
+
+
+def test_powersgd_sends_dense_leaves_then_p_then_q_after_backward():
+    # 2 ranks at 1 kB/s: n bytes take n / 1000 s.
+    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4))
+    kinds = [(c.kind, c.tensors, c.nbytes) for c in r.collectives]
+    assert kinds == [("gradients", (1, 2, 3), 936), ("P", (0,), 1600), ("Q", (0,), 800)]
+    assert _starts(r) == [((1, 2, 3), 4.0, 4.936), ((0,), 4.936, 6.536), ((0,), 6.536, 7.336)]
+    assert r.iteration_time == pytest.approx(7.336)
+
+
+def test_powersgd_with_overlap_q_waits_for_p_and_the_network():
+    # The compressed leaf exists at 2 s: P runs 2.0-3.6, Q follows at once
+    # (3.6-4.4); the dense leaves are ready at 4 s but the network is busy until 4.4.
+    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, overlap=True))
+    assert [c.kind for c in r.collectives] == ["P", "Q", "gradients"]
+    assert [(c.ready, c.start, c.end) for c in r.collectives] == [
+        (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(3.6)),
+        (pytest.approx(3.6), pytest.approx(3.6), pytest.approx(4.4)),
+        (pytest.approx(4.0), pytest.approx(4.4), pytest.approx(5.336)),
+    ]
+    assert r.iteration_time == pytest.approx(5.336)
+
+
+def test_powersgd_wire_and_rank_clamp_and_boundary():
+    # float16 halves every collective.
+    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, wire_dtype="float16"))
+    assert [c.nbytes for c in r.collectives] == [468, 800, 400]
+    # Rate 0.1: (2, 1000) (1002 x 4 x 0.1 <= 2000) at rank min(4, 2) = 2 is P 4,
+    # Q 2000; (4, 4) (8 x 4 x 0.1 <= 16) at rank 4 is P 16, Q 16.
+    # At rank 1, rate 2, (4, 4) sits on the boundary (8 x 2 = 16): compressed, P 4,
+    # Q 4; (2, 1000) is not (1002 x 2 > 2000).
+    w = Workload(
+        (GradientTensor(2000, 0.0, shape=(2, 1000)), GradientTensor(16, 0.0, shape=(4, 4))),
+        forward_time=0.0,
+        batch=1,
+    )
+    r = simulate(w, _net(), Settings(powersgd_rank=4, min_compression_rate=0.1))
+    assert [(c.kind, c.nbytes) for c in r.collectives] == [("P", 4 * (4 + 16)), ("Q", 4 * 2016)]
+    r = simulate(w, _net(), Settings(powersgd_rank=1))
+    assert [(c.kind, c.nbytes) for c in r.collectives] == [
+        ("gradients", 4 * 2000),
+        ("P", 4 * 4),
+        ("Q", 4 * 4),
+    ]
+
+
+def test_powersgd_needs_every_shape():
+    w = Workload((GradientTensor(100, 0.0),), forward_time=0.0, batch=1)
+    with pytest.raises(ValueError, match="shape"):
+        simulate(w, _net(), Settings(powersgd_rank=1))
+
+
+# --- The simulator's payload against what jaxcomm itself counts. ---------------------
+
+
+def _library_payload(tx, shapes):
+    """payload_bytes of one step of ``tx`` on 8 CPU devices (jaxcomm's CommStats)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+    from tests.harness import mesh_of
+
+    mesh = mesh_of((8,), ("data",))
+    params = {k: jnp.ones(s) for k, s in shapes.items()}
+    with jax.set_mesh(mesh):
+        specs = jaxcomm.state_specs(jax.eval_shape(tx.init, params), "data")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs))
+
+    def step(s, g):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)[1]
+
+    grads = jax.tree.map(lambda a: jnp.ones((8, *a.shape)), params)
+    grads = jax.device_put(grads, NamedSharding(mesh, P("data")))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs))
+    state = jax.block_until_ready(f(init(params), grads))
+    return float(jaxcomm.get_stats(state).payload_bytes)
+
+
+def _workload(shapes):
+    # Leaves in tree order (sorted keys), backward order reversed.
+    tensors = [GradientTensor(math.prod(s), 0.0, shape=s) for _, s in sorted(shapes.items())]
+    return Workload(tuple(reversed(tensors)), forward_time=0.0, batch=1)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"w": (64, 48), "b": (48,), "conv": (16, 3, 3, 8), "small": (4, 4)},
+        {"w": (64, 48), "v": (40, 64)},
+    ],
+)
+def test_powersgd_payload_is_jaxcomms(shapes):
+    import jaxcomm
+
+    tx = jaxcomm.powersgd("data", rank=3, backend="xla")
+    r = simulate(_workload(shapes), _net(p=8), Settings(powersgd_rank=3))
+    assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, math.inf])
+def test_fp8_payload_is_jaxcomms(bucket_bytes):
+    import jaxcomm
+
+    shapes = {"w": (64, 32), "b": (32,), "c": (8, 8)}  # every leaf a multiple of 8 elements
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype="float8_e4m3fn", bucket_bytes=bucket_bytes)
+    settings = Settings(wire_dtype="float8_e4m3fn", bucket_bytes=bucket_bytes)
+    r = simulate(_workload(shapes), _net(p=8), settings)
+    assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)

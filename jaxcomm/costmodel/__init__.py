@@ -1,10 +1,11 @@
 """jaxcomm.costmodel: an alpha-beta model of the cluster, a step simulator and a planner.
 
-* :mod:`~jaxcomm.costmodel.alphabeta`: ring, hierarchical and tree allreduce times.
+* :mod:`~jaxcomm.costmodel.alphabeta`: ring, hierarchical and tree allreduce times,
+  and the all-to-all and all-gather of an FP8 wire's allreduce.
 * :class:`Cluster`: GPUs per node, nodes, links; ``allreduce_time(nbytes, algorithm=...)``.
 * :func:`simulate`: iteration time, throughput, speedup and scaling efficiency of
-  one data-parallel step under jaxcomm's settings (fusion, wire dtype, overlap,
-  double buffering, chunk-sparse density).
+  one data-parallel step under jaxcomm's settings (fusion, wire dtype including
+  FP8, overlap, double buffering, chunk-sparse density, PowerSGD).
 * :mod:`~jaxcomm.costmodel.profiles`: ResNet-50 and AlexNet-BN profiles from Flax models
   (imported on first use: flax is an optional dependency).
 * :func:`fit_alpha_beta`, :func:`measure_allreduce`, :func:`fit_cluster`: fit α and β
@@ -16,6 +17,8 @@
 """
 
 from jaxcomm.costmodel.alphabeta import (
+    allgather_time,
+    alltoall_time,
     hierarchical_allreduce_time,
     ring_allreduce_time,
     tree_allreduce_time,
@@ -39,6 +42,8 @@ def __getattr__(name):
 
 
 __all__ = [
+    "allgather_time",
+    "alltoall_time",
     "Cluster",
     "GradientTensor",
     "LinkFit",

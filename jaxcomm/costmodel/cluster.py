@@ -26,6 +26,15 @@ Algorithms:
   the NIC's, the NIC stays the bottleneck, which holds for the clusters here.
 * ``"tree"``: binomial tree over all ``p`` GPUs at the slowest link (comparison only).
 
+An FP8 wire's allreduce (:meth:`Cluster.fp8_allreduce_time`) is an all-to-all
+then a ring all-gather over all ``p`` GPUs. The all-to-all pays one latency
+(its messages are in flight together). Its bytes: each GPU sends
+``(p-1)/p·n`` through its own link, and across nodes each NIC carries the
+``L`` GPUs' rows for the other nodes, ``L(M-1)/M·n``: ``L`` times the ring's
+``(p-1)/p·n`` per direction, so across nodes of several GPUs the all-to-all
+is bandwidth-bound on the NIC where the ring is not. The all-gather is a
+flat ring's second half.
+
 Examples:
   >>> c = Cluster(gpus_per_node=8, nodes=2, intra_bandwidth=10e9, intra_latency=0.0,
   ...             inter_bandwidth=5e9, inter_latency=0.0)
@@ -41,6 +50,8 @@ import dataclasses
 
 from jaxcomm._validate import check_nonnegative, check_ranks
 from jaxcomm.costmodel.alphabeta import (
+    allgather_time,
+    alltoall_time,
     hierarchical_allreduce_time,
     ring_allreduce_time,
     tree_allreduce_time,
@@ -130,6 +141,49 @@ class Cluster:
         """The same kind of node, ``nodes`` of them."""
         return dataclasses.replace(self, nodes=nodes)
 
+    def _flat_link(self) -> tuple[float, float]:
+        """(α, β) of one step of a ring over all GPUs: its slowest link."""
+        alpha1, beta1 = self.intra_latency, 1 / self.intra_ring_bandwidth
+        alpha2, beta2 = self.inter_latency, 1 / self.inter_bandwidth
+        if self.nodes == 1:
+            return alpha1, beta1
+        if self.gpus_per_node == 1:
+            return alpha2, beta2
+        return max(alpha1, alpha2), max(beta1, beta2)
+
+    def alltoall_time(self, nbytes: float) -> float:
+        """Seconds for an all-to-all of a buffer of ``nbytes`` (``p`` rows) per GPU.
+
+        One latency (the slowest link's); bytes: ``(p-1)/p·nbytes`` through
+        each GPU's link, and ``L(M-1)/M·nbytes`` through each NIC when there
+        are several nodes, whichever takes longer.
+
+        Examples:
+          >>> c = Cluster(gpus_per_node=4, nodes=2, intra_bandwidth=1e9, intra_latency=0.0,
+          ...             inter_bandwidth=1e9, inter_latency=1e-3)
+          >>> round(c.alltoall_time(8e6), 9)  # NIC: 4 GPUs x 1/2 of 8e6 B at 1 GB/s, + 1 ms
+          0.017
+        """
+        alpha, beta = self._flat_link()
+        if self.nodes == 1 or self.gpus_per_node == 1:
+            return alltoall_time(nbytes, p=self.p, alpha=alpha, beta=beta)
+        n = check_nonnegative("nbytes", nbytes)
+        local, nodes = self.gpus_per_node, self.nodes
+        own_link = (self.p - 1) / self.p * n / self.intra_ring_bandwidth
+        nic = local * (nodes - 1) / nodes * n / self.inter_bandwidth
+        return alpha + max(own_link, nic)
+
+    def allgather_time(self, nbytes: float) -> float:
+        """Seconds for a ring all-gather of ``nbytes`` (``nbytes/p`` from each GPU) over
+        all GPUs, at the flat ring's slowest link.
+
+        Examples:
+          >>> cpu_host(devices=4, alpha=1.0, beta=1e-9).allgather_time(4e6)  # 3 steps of 1e6 B
+          3.003
+        """
+        alpha, beta = self._flat_link()
+        return allgather_time(nbytes, p=self.p, alpha=alpha, beta=beta)
+
     def allreduce_time(self, nbytes: float, *, algorithm: str = "ring") -> float:
         """Seconds for an allreduce of ``nbytes`` per GPU over all GPUs.
 
@@ -143,12 +197,7 @@ class Cluster:
             raise ValueError(f"algorithm={algorithm!r} must be one of {ALGORITHMS}")
         alpha1, beta1 = self.intra_latency, 1 / self.intra_ring_bandwidth
         alpha2, beta2 = self.inter_latency, 1 / self.inter_bandwidth
-        if self.nodes == 1:
-            alpha, beta = alpha1, beta1
-        elif self.gpus_per_node == 1:
-            alpha, beta = alpha2, beta2
-        else:
-            alpha, beta = max(alpha1, alpha2), max(beta1, beta2)
+        alpha, beta = self._flat_link()
         if algorithm == "tree":
             return tree_allreduce_time(nbytes, p=self.p, alpha=alpha, beta=beta)
         if algorithm == "ring" or self.nodes == 1 or self.gpus_per_node == 1:

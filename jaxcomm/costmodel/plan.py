@@ -145,7 +145,14 @@ def plan(
     def step(theta, algorithm, wire):
         return simulate(workload, cluster, settings(theta, algorithm, wire))
 
-    candidates = itertools.product(algorithms, wire_dtypes, bucket_bytes)
+    # An FP8 wire has one schedule of its own: it is tried once, under "ring".
+    candidates = [
+        c
+        for c in itertools.product(algorithms, wire_dtypes, bucket_bytes)
+        if c[0] == "ring" or not Settings(wire_dtype=c[1]).fp8
+    ]
+    if not candidates:
+        raise ValueError("an FP8 wire_dtypes candidate needs 'ring' among the algorithms")
     best = min(candidates, key=lambda c: step(c[2], c[0], c[1]).iteration_time)
     algorithm, wire, theta = best
     baseline = step(0.0, "ring", "float32")
@@ -179,11 +186,15 @@ def _as_workload(tree, backward_time, forward_time, batch) -> Workload:
     leaves = jax.tree.leaves(tree, is_leaf=_is_shape)
     if not leaves:
         raise ValueError("no gradient leaves to plan for")
-    sizes = [math.prod(leaf if _is_shape(leaf) else leaf.shape) for leaf in leaves]
+    shapes = [tuple(int(d) for d in (leaf if _is_shape(leaf) else leaf.shape)) for leaf in leaves]
+    sizes = [math.prod(shape) for shape in shapes]
     total = sum(sizes)
     if total == 0:
         raise ValueError("gradients have no elements")
-    tensors = tuple(GradientTensor(size, backward_time * size / total) for size in reversed(sizes))
+    tensors = tuple(
+        GradientTensor(size, backward_time * size / total, shape=shape)
+        for size, shape in zip(reversed(sizes), reversed(shapes), strict=True)
+    )
     return Workload(tensors, forward_time=forward_time, batch=batch)
 
 

@@ -117,7 +117,11 @@ class ModelProfile:
         for layer in reversed(self.layers):
             layer_time = backward * layer.flops / self.flops
             for k, (_, shape) in enumerate(reversed(layer.params)):
-                tensors.append(GradientTensor(math.prod(shape), layer_time if k == 0 else 0.0))
+                tensors.append(
+                    GradientTensor(
+                        math.prod(shape), layer_time if k == 0 else 0.0, shape=tuple(shape)
+                    )
+                )
         return Workload(tuple(tensors), forward_time=compute * FORWARD_SHARE, batch=batch)
 
 

@@ -12,8 +12,8 @@ Rules:
   is ready when its last gradient exists: forward time plus the backward time
   up to that gradient.
 * Without overlap every bucket is ready only when backward ends.
-* Collectives run one at a time on the network, in the order buckets become
-  ready: a bucket starts at ``max(ready, end of the previous collective)``. A
+* Collectives run one at a time on the network, in the order they become
+  ready: each starts at ``max(ready, end of the previous collective)``. A
   bucket of ``n`` elements sends ``n * density * wire itemsize`` bytes (CSC
   exchanges only the important chunks; taken in proportion, i.e. assuming they
   spread over the buckets like the bytes do).
@@ -23,6 +23,33 @@ Rules:
   have both finished. With double buffering the collectives of step t only have
   to finish by the end of step t+1's backward, so in steady state the step takes
   ``max(compute, total communication)``: the slower of the two resources.
+* An FP8 wire (``float8_e4m3fn``, ``float8_e5m2``) runs jaxcomm's one
+  schedule for it (``algorithm`` stays ``"ring"``, the default): an
+  all-to-all, float32 adds, a ring all-gather (:meth:`Cluster.alltoall_time`,
+  :meth:`Cluster.allgather_time`). A bucket of ``n`` elements in ``k``
+  leaves (parts) is padded to ``p`` rows of ``r = ⌈n/p⌉`` bytes; each row
+  carries an int16 exponent per part in the all-to-all and one in the
+  all-gather: the all-to-all moves ``p(r + 2k)`` bytes, the all-gather
+  ``p(r + 2)``, the payload jaxcomm counts is ``p(r + k + 1)`` (its
+  ``bytes_sent`` is ``2(p-1)/p`` of it, the ring's share) and the latency is
+  ``pα`` against the ring's ``2(p-1)α``.
+* PowerSGD (``powersgd_rank``): a leaf of ``shape`` with ``ndim >= 2`` is
+  viewed as ``(shape[0], prod(shape[1:]))`` and compressed when
+  ``(rows + cols) · rank · min_compression_rate <= rows · cols``, rank
+  ``min(powersgd_rank, rows, cols)``, as :func:`jaxcomm.powersgd` decides.
+  A step sends the other leaves in one collective (ready when its last
+  gradient is), every P (``rows · rank`` elements each) in one, ready when
+  the last compressed gradient is, then every Q (``cols · rank``), which
+  needs the reduced P: it starts when P's collective ends. ``bucket_bytes``
+  does not apply (powersgd fuses all it sends), nor do ``density`` and
+  ``double_buffering`` (powersgd has neither). On the xla backend XLA's
+  all-reduce combiner may merge the dense leaves' collective with P's (they
+  are independent): one collective's latency fewer than modelled. The
+  power step's matmuls and orthogonalisation (about
+  ``6 · rows · cols · rank`` flops per matrix, the QR of P besides) are
+  folded into compute like the optimizer update: the ``Workload``'s compute
+  times must include them (``bench/network_model.py`` measures them with
+  the rest of the step's compute).
 * The optimizer update and the wire casts are folded into compute; one GPU is
   the same step without communication.
 
@@ -34,6 +61,24 @@ Examples:
   >>> r = simulate(w, c, Settings())  # 1e9 bytes, ring of 2 moves 1e9 at 1 GB/s: 1 s
   >>> r.iteration_time, r.throughput, r.scaling_efficiency
   (3.0, 21.333333333333332, 0.6666666666666666)
+
+  PowerSGD at rank 4 sends a (1000, 1000) matrix as 4 000 P and 4 000 Q
+  elements; the (1000,) bias goes densely:
+
+  >>> w = Workload((GradientTensor(1000, 0.0, shape=(1000,)),
+  ...               GradientTensor(1_000_000, 1.0, shape=(1000, 1000))),
+  ...              forward_time=0.0, batch=1)
+  >>> r = simulate(w, c, Settings(powersgd_rank=4))
+  >>> [(k.kind, k.nbytes) for k in r.collectives]
+  [('gradients', 4000), ('P', 16000), ('Q', 16000)]
+
+  An FP8 wire on the 2-rank link: 1000 one-byte elements in 2 rows of 500,
+  an exponent pair with each row both ways, 2 latencies:
+
+  >>> w = Workload((GradientTensor(1000, 0.0),), forward_time=0.0, batch=1)
+  >>> r = simulate(w, c, Settings(wire_dtype="float8_e4m3fn"))
+  >>> r.collectives[0].nbytes, round(r.iteration_time * 1e9, 3)  # 502 + 502 bytes, ns
+  (1004, 1004.0)
 """
 
 from __future__ import annotations
@@ -43,7 +88,14 @@ import math
 
 import numpy as np
 
-from jaxcomm._validate import check_bucket_bytes, check_fraction, check_int, check_nonnegative
+from jaxcomm._validate import (
+    check_bucket_bytes,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_positive_integer,
+    check_positive_real,
+)
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
@@ -51,6 +103,8 @@ from jaxcomm.transforms import plan_buckets
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
 CSC_CHUNK_ELEMENTS = DEFAULT_CHUNK_SIZE  # GradientFlow's chunk size, as chunk_sparse
+FP8_EXPONENT_BYTES = 2  # an FP8 wire's scale travels as an int16 exponent
+FP8_WIRES = ("float8_e4m3fn", "float8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +115,27 @@ class GradientTensor:
       elements: number of elements.
       backward_time: seconds of backward compute from the previous tensor's
         readiness to this one's (0 for further leaves of the same layer).
+      shape: the leaf's shape, whose product is ``elements``; needed only by
+        PowerSGD, which compresses by shape (``None``: not known).
     """
 
     elements: int
     backward_time: float
+    shape: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_int("elements", self.elements, minimum=0)
         check_nonnegative("backward_time", self.backward_time)
+        if self.shape is not None:
+            if not isinstance(self.shape, tuple):
+                raise TypeError(f"shape={self.shape!r} must be a tuple of ints or None")
+            for dim in self.shape:
+                check_int("shape", dim, minimum=0)
+            if math.prod(self.shape) != self.elements:
+                raise ValueError(
+                    f"shape={self.shape} holds {math.prod(self.shape)} elements, "
+                    f"not elements={self.elements}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,14 +176,19 @@ class Settings:
 
     Attributes:
       wire_dtype: dtype on the wire (anything ``numpy.dtype`` accepts, e.g.
-        ``"float32"``, ``"float16"``, ``jnp.bfloat16``).
+        ``"float32"``, ``"float16"``, ``jnp.bfloat16``, ``"float8_e4m3fn"``,
+        ``jnp.float8_e5m2``; an 8-bit one runs the FP8 schedule).
       bucket_bytes: fusion threshold θ in gradient bytes; 0 is one collective
         per tensor, ``math.inf`` one for all.
       overlap: start each bucket when its gradients exist (else after backward).
       double_buffering: communication of step t hides under step t+1's compute.
       density: fraction of chunks exchanged by CSC, in (0, 1]; 1 is dense.
       chunk_elements: CSC chunk size.
-      algorithm: ``"ring"``, ``"hierarchical"`` or ``"tree"``.
+      algorithm: ``"ring"``, ``"hierarchical"`` or ``"tree"``. An FP8 wire
+        has one schedule (all-to-all, all-gather): ``"ring"`` only.
+      powersgd_rank: ``None`` (no PowerSGD) or the rank of
+        :func:`jaxcomm.powersgd`'s factors.
+      min_compression_rate: as :func:`jaxcomm.powersgd`'s.
     """
 
     wire_dtype: object = "float32"
@@ -126,6 +198,8 @@ class Settings:
     density: float = 1.0
     chunk_elements: int = CSC_CHUNK_ELEMENTS
     algorithm: str = "ring"
+    powersgd_rank: int | None = None
+    min_compression_rate: float = 2.0
 
     def __post_init__(self):
         check_bucket_bytes(self.bucket_bytes)
@@ -134,6 +208,26 @@ class Settings:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r} must be one of {ALGORITHMS}")
         self.wire_itemsize  # noqa: B018 -- validates wire_dtype
+        check_positive_real("min_compression_rate", self.min_compression_rate)
+        if self.fp8 and self.algorithm != "ring":
+            raise ValueError(
+                f"algorithm={self.algorithm!r}: an FP8 wire has one schedule (all-to-all, "
+                "all-gather); leave algorithm='ring'"
+            )
+        if self.fp8 and self.density < 1:
+            raise ValueError(f"density={self.density}: FP8 chunk-sparse exchange is not modelled")
+        if self.powersgd_rank is not None:
+            check_positive_integer("powersgd_rank", self.powersgd_rank)
+            if self.density < 1 or self.double_buffering or self.fp8:
+                raise ValueError(
+                    f"powersgd_rank={self.powersgd_rank}: powersgd has no density or "
+                    "double_buffering, and takes float16 and bfloat16 wires only"
+                )
+
+    @property
+    def fp8(self) -> bool:
+        """An 8-bit float wire (jaxcomm scales it per device and part)."""
+        return np.dtype(self.wire_dtype).name in FP8_WIRES
 
     @property
     def wire_itemsize(self) -> int:
@@ -148,13 +242,19 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One allreduce on the network: which tensors (backward indices), bytes, times."""
+    """One allreduce on the network: which tensors (backward indices), bytes, times.
+
+    ``kind``: ``"gradients"``, ``"norms"`` (chunk-sparse), ``"P"`` or ``"Q"``
+    (PowerSGD's factors). ``nbytes`` is the payload as jaxcomm counts it (an
+    FP8 wire's exponents included).
+    """
 
     tensors: tuple[int, ...]
     nbytes: float
     ready: float
     start: float
     end: float
+    kind: str = "gradients"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,26 +284,31 @@ def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result
     """Simulates one steady-state training step; see the module docstring for the rules."""
     forward, compute = workload.forward_time, workload.compute_time
     ready_at = _ready_times(workload, settings.overlap)
-    queue = [
-        (ready_at[max(bucket)], bucket, sum(workload.tensors[i].elements for i in bucket))
-        for bucket in _buckets_backward(workload, settings.bucket_bytes)
-    ]
+    # (ready, tensors, nbytes, seconds on the network, kind)
+    if settings.powersgd_rank is not None:
+        queue = _powersgd_collectives(workload, cluster, settings, ready_at)
+    else:
+        queue = []
+        for bucket in _buckets_backward(workload, settings.bucket_bytes):
+            elements = sum(workload.tensors[i].elements for i in bucket)
+            nbytes, seconds = _gradient_collective(elements, len(bucket), cluster, settings)
+            queue.append((ready_at[max(bucket)], bucket, nbytes, seconds, "gradients"))
     if settings.density < 1:
-        chunks = math.ceil(workload.elements / settings.chunk_elements)
-        queue.append((forward + workload.backward_time, (), None))
-        norm_bytes = chunks * NORM_ITEMSIZE
-    queue.sort(key=lambda item: item[0])  # stable: ties keep the plan's order
+        norm_bytes = math.ceil(workload.elements / settings.chunk_elements) * NORM_ITEMSIZE
+        seconds = cluster.allreduce_time(norm_bytes, algorithm=settings.algorithm)
+        queue.append((forward + workload.backward_time, (), norm_bytes, seconds, "norms"))
 
     collectives, network_free = [], 0.0
-    for ready, bucket, elements in queue:
-        if elements is None:
-            nbytes = norm_bytes
-        else:
-            nbytes = elements * settings.density * settings.wire_itemsize
-        duration = cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
+    while queue:
+        # The next collective ready; ties keep the queue's (the plan's) order.
+        item = min(queue, key=lambda item: item[0])
+        queue.remove(item)
+        ready, bucket, nbytes, seconds, kind = item
         start = max(ready, network_free)
-        network_free = start + duration
-        collectives.append(Collective(tuple(bucket), nbytes, ready, start, network_free))
+        network_free = start + seconds
+        collectives.append(Collective(tuple(bucket), nbytes, ready, start, network_free, kind))
+        if kind == "P":  # Q = M^T P needs the reduced P
+            queue.append((network_free, *_powersgd_q(workload, cluster, settings)))
 
     communication = sum(c.end - c.start for c in collectives)
     if settings.double_buffering:
@@ -224,6 +329,65 @@ def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result
         communication_time=communication,
         collectives=tuple(collectives),
     )
+
+
+def _gradient_collective(
+    elements: int, parts: int, cluster: Cluster, settings: Settings
+) -> tuple[float, float]:
+    """(payload bytes, seconds) of one bucket of ``elements`` in ``parts`` leaves."""
+    if settings.fp8:
+        p = cluster.p
+        row = math.ceil(elements / p)  # one byte an element, padded to p rows
+        to_all = p * (row + FP8_EXPONENT_BYTES * parts)
+        gathered = p * (row + FP8_EXPONENT_BYTES)
+        seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
+        return (to_all + gathered) // 2, seconds  # p(r + k + 1)
+    nbytes = elements * settings.density * settings.wire_itemsize
+    return nbytes, cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
+
+
+def _compressed(workload: Workload, settings: Settings) -> list[tuple[int, int, int]]:
+    """(backward index, elements of P, elements of Q) of each leaf PowerSGD compresses."""
+    out = []
+    for i, tensor in enumerate(workload.tensors):
+        if tensor.shape is None:
+            raise ValueError(
+                f"tensors[{i}] has no shape: powersgd_rank needs every GradientTensor's shape"
+            )
+        if len(tensor.shape) < 2:
+            continue
+        rows, cols = tensor.shape[0], math.prod(tensor.shape[1:])
+        if (rows + cols) * settings.powersgd_rank * settings.min_compression_rate <= rows * cols:
+            rank = min(settings.powersgd_rank, rows, cols)
+            out.append((i, rows * rank, cols * rank))
+    return out
+
+
+def _powersgd_collectives(workload, cluster, settings, ready_at) -> list[tuple]:
+    """The dense leaves' collective and P's; Q's follows P's (see simulate)."""
+    compressed = _compressed(workload, settings)
+    indices = {i for i, _, _ in compressed}
+    dense = tuple(i for i in range(len(workload.tensors)) if i not in indices)
+    queue = []
+    if dense:
+        nbytes = sum(workload.tensors[i].elements for i in dense) * settings.wire_itemsize
+        seconds = cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
+        queue.append((max(ready_at[i] for i in dense), dense, nbytes, seconds, "gradients"))
+    if compressed:
+        nbytes = sum(p for _, p, _ in compressed) * settings.wire_itemsize
+        seconds = cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
+        queue.append(
+            (max(ready_at[i] for i in indices), tuple(sorted(indices)), nbytes, seconds, "P")
+        )
+    return queue
+
+
+def _powersgd_q(workload, cluster, settings) -> tuple:
+    """(tensors, nbytes, seconds, kind) of the collective of every Q."""
+    compressed = _compressed(workload, settings)
+    nbytes = sum(q for _, _, q in compressed) * settings.wire_itemsize
+    seconds = cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
+    return tuple(i for i, _, _ in compressed), nbytes, seconds, "Q"
 
 
 def _ready_times(workload: Workload, overlap: bool) -> list[float]:
