@@ -74,6 +74,10 @@ def configurations() -> dict[str, Callable[[], optax.GradientTransformation]]:
         "csc d=0.15 (ffi)": lambda: jaxcomm.chunk_sparse(
             optax.sgd(LR, momentum=0.9), "data", density=0.15, backend="ffi"
         ),
+        # The same optimizer as pmean's: what chunk_sparse itself costs.
+        "csc d=0.15 sgd (ffi)": lambda: jaxcomm.chunk_sparse(
+            optax.sgd(LR), "data", density=0.15, backend="ffi"
+        ),
         "fp8": lambda: optax.chain(dense("data", wire_dtype=jnp.float8_e4m3fn), sgd),
         "powersgd r4": lambda: optax.chain(jaxcomm.powersgd("data", rank=4), sgd),
         # A step that does not sync: local work only, nothing to communicate.
