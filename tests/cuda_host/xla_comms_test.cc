@@ -167,6 +167,7 @@ struct AllReduceCall {
   std::vector<int> mask = {};  // chunk mask; empty: every element
   int64_t chunk_size = 0, max_chunks = 0;
   RankOrder order = RankOrder::kGroupPosition;
+  int32_t unselected = 0;  // 0: unselected chunks keep local values, 1: zeros
 };
 
 struct Outcome {
@@ -192,6 +193,7 @@ Outcome RunAllReduce(const AllReduceCall& c) {
             wire_dtype = c.wire_dtype;
     int32_t nranks = static_cast<int32_t>(c.groups[0].size());
     int64_t chunk_size = c.chunk_size, max_chunks = c.max_chunks;
+    int32_t unselected = c.unselected;
     double one = 1.0;
     return std::vector<Invocation>{
         Invoke(cuda::AllReduceCudaXlaComms, hc, device, c.order,
@@ -207,6 +209,7 @@ Outcome RunAllReduce(const AllReduceCall& c) {
                 {"nranks", XLA_FFI_DataType_S32, &nranks},
                 {"postscale", XLA_FFI_DataType_F64, &one},
                 {"prescale", XLA_FFI_DataType_F64, &one},
+                {"unselected", XLA_FFI_DataType_S32, &unselected},
                 {"wire_dtype", XLA_FFI_DataType_S32, &wire_dtype}})};
   });
   Outcome o;
@@ -224,8 +227,8 @@ void Fail(const std::string& what) {
 }
 
 // Every device's result: the sum over its group of the selected chunks (the
-// first `max_chunks` selected ones where that is set), its own values
-// elsewhere; everything summed without a mask.
+// first `max_chunks` selected ones where that is set), its own values (or
+// zeros, `unselected` 1) elsewhere; everything summed without a mask.
 void CheckSums(const std::string& what, const AllReduceCall& c, const Outcome& o) {
   for (int t = 0; t < kRanks; ++t) {
     const int64_t device = c.first_id + t;
@@ -242,7 +245,8 @@ void CheckSums(const std::string& what, const AllReduceCall& c, const Outcome& o
         for (int64_t k = 0; k < chunk; ++k) selected_before += c.mask[k] != 0;
         summed = c.mask[chunk] != 0 && (c.max_chunks == 0 || selected_before < c.max_chunks);
       }
-      const float want = summed ? GroupSum(c.groups, c.first_id, device, i) : Value(t, i);
+      const float rest = c.unselected == 1 ? 0.0f : Value(t, i);
+      const float want = summed ? GroupSum(c.groups, c.first_id, device, i) : rest;
       wrong += o.out[t][i] != want;
     }
     if (wrong != 0) {
@@ -370,14 +374,17 @@ void CheckRankReadOnce() {
 }
 
 // The allreduce handler with a chunk mask: only the selected chunks are
-// summed, the first `max_chunks` of them where that is set.
+// summed, the first `max_chunks` of them where that is set; the others keep
+// each device's values or are zeros.
 void CheckMasked() {
   const std::vector<int> mask = {1, 0, 0, 1, 1, 0, 1};  // 7 chunks of 16, the last short
   for (int64_t max_chunks : {0, 2, 9}) {
     for (Algorithm algorithm : {Algorithm::kRing, Algorithm::kHierarchical}) {
       AllReduceCall c{kFlat, 0, algorithm, 2, kSameWire, 100, mask, 16, max_chunks};
+      c.unselected = max_chunks == 2 ? 1 : 0;
       const std::string what = "masked, max_chunks " + std::to_string(max_chunks) + ", algorithm " +
-                               std::to_string(static_cast<int>(algorithm));
+                               std::to_string(static_cast<int>(algorithm)) + ", unselected " +
+                               std::to_string(c.unselected);
       const Outcome o = RunAllReduce(c);
       CheckSums(what, c, o);
       for (int t = 0; t < kRanks; ++t) CHECK(o.calls[t].execute_waits == 0);
@@ -518,6 +525,7 @@ void CheckFailures() {
          {"nranks", XLA_FFI_DataType_S32, &nranks},
          {"postscale", XLA_FFI_DataType_F64, &one},
          {"prescale", XLA_FFI_DataType_F64, &one},
+         {"unselected", XLA_FFI_DataType_S32, &zero},
          {"wire_dtype", XLA_FFI_DataType_S32, &wire_dtype}});
     std::cout << "without Prepare: " << err << "\n";
     CHECK(Contains(err, "XLA's collectives extension gave no communicator"));
