@@ -228,14 +228,11 @@ def chunk_sparse(
             nonfinite=nonfinite,
         )
 
-        def unless_skipped(new, old):
-            return jax.tree.map(lambda a, b: jnp.where(nonfinite, b, a), new, old)
-
         new = ChunkSparseState(
             inner=inner_state,
-            residual=unless_skipped(_state.as_row(residual), state.residual),
-            mask=unless_skipped(next_mask, state.mask),
-            count=unless_skipped(state.count + 1, state.count),
+            residual=_unless(nonfinite, _state.as_row(residual), state.residual),
+            mask=_unless(nonfinite, next_mask, state.mask),
+            count=_unless(nonfinite, state.count + 1, state.count),
             stats=stats,
         )
         return upd, new
@@ -369,6 +366,11 @@ def _chunk_l1(*pools, nchunks: int, chunk_size: int):
     )
 
 
+def _unless(skipped, new, old):
+    """`new`, or `old` where the step is `skipped` (trees of the same structure)."""
+    return jax.tree.map(lambda a, b: jnp.where(skipped, b, a), new, old)
+
+
 def _hold_unselected(new, old, masks, skipped):
     """Parameter-shaped parts of the inner state take the new value only where
     `masks` hold; everything else (counts, schedules) takes the new value
@@ -387,6 +389,6 @@ def _hold_unselected(new, old, masks, skipped):
     def hold(n, o):
         if is_param_shaped(n):
             return jax.tree.map(lambda a, b, m: jnp.where(m, a, b), n, o, masks)
-        return jax.tree.map(lambda a, b: jnp.where(skipped, b, a), n, o)
+        return _unless(skipped, n, o)
 
     return jax.tree.map(hold, new, old, is_leaf=is_param_shaped)
