@@ -134,11 +134,16 @@ def bytes_on_wire(row: dict) -> float:
     return row["bytes"] * WIRE_ITEMSIZE[row["wire"]] / 4
 
 
+def is_fitted(row: dict) -> bool:
+    """A timed allreduce row of a ring path and a ring wire: what the fit takes."""
+    return row.get("path") in FIT_PATHS and "time_s" in row and row.get("wire") in WIRE_ITEMSIZE
+
+
 def fit_links(rows) -> dict[tuple[int, int, int], LinkFit]:
     """α, β per (rate_bps, hosts, devices) from the timed ring-path allreduce rows."""
     groups: dict[tuple[int, int, int], list[dict]] = {}
     for r in rows:
-        if r.get("path") in FIT_PATHS and "time_s" in r and r.get("wire") in WIRE_ITEMSIZE:
+        if is_fitted(r):
             groups.setdefault((r["rate_bps"], r["hosts"], r["devices"]), []).append(r)
     fits = {}
     for key, group in sorted(groups.items()):
@@ -163,7 +168,7 @@ def fit_table(rows, fits) -> str:
             f"  {'path':<6}{'wire':<10}{'MiB f32':>8}{'measured s':>12}{'fit s':>9}{'err':>8}"
         )
         for r in rows:
-            if r.get("path") in FIT_PATHS and "time_s" in r and r.get("wire") in WIRE_ITEMSIZE:
+            if is_fitted(r):
                 if (r["rate_bps"], r["hosts"], r["devices"]) != (rate, hosts, devices):
                     continue
                 fitted = fit.predict(bytes_on_wire(r))
