@@ -5,7 +5,8 @@
   (uint16). Checked in the compiled HLO, not in what we meant to send.
 - Across processes on CPU, ``algorithm="auto"`` with a 16-bit wire is the ring
   (gloo adds float16 slowly; a bfloat16 psum is widened to float32).
-- ``backend="auto"`` never lowers to a jaxcomm custom call on GPU.
+- ``backend="auto"`` takes ffi for a 16-bit wire in one CPU process, and
+  never lowers to a jaxcomm custom call on GPU.
 - ``chunk_sparse(backend="xla")``, 8-bit wires and a one-device mesh work
   with ``out_specs=P()``, as the README writes the step.
 """
@@ -95,7 +96,9 @@ def test_allreduce_gradients_stats_match_the_compiled_bytes():
     a bfloat16 wire on the ring, that is 2 bytes a gradient element, which is
     what the compiled permutes and all-gather carry."""
     mesh = _mesh()
-    tx = jaxcomm.allreduce_gradients("data", wire_dtype="bfloat16", algorithm="ring")
+    tx = jaxcomm.allreduce_gradients(
+        "data", wire_dtype="bfloat16", algorithm="ring", backend="xla"
+    )
     params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
     state = tx.init(params)
 
@@ -132,6 +135,45 @@ def test_auto_is_the_ring_for_a_16_bit_wire_across_processes(monkeypatch):
     assert ops(wire_dtype="bfloat16") == {"collective-permute", "all-gather"}
     assert ops(wire_dtype="float16") == {"collective-permute", "all-gather"}
     assert ops() == {"all-reduce"}  # float32 stays with gloo's psum
+
+
+def _auto_fn(mesh, **opts):
+    def f(x):
+        return jaxcomm.allreduce(x * 1.0, "data", op="mean", **opts)
+
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+
+def _paths(f, x) -> tuple[set, set]:
+    """(jaxcomm custom calls in the lowering, collectives in the compiled step)."""
+    lowered = f.lower(x)
+    calls = set(re.findall(r"custom_call @(jaxcomm\w+)", lowered.as_text()))
+    return calls, {c[0] for c in _collectives(lowered.compile().as_text())}
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_auto_takes_ffi_for_a_16_bit_wire_in_one_cpu_process(monkeypatch, wire):
+    """XLA's CPU all-reduce adds float16 in float16 (and widens bfloat16 to
+    float32); ffi adds in float32. float32 stays with lax.psum, and across
+    processes a 16-bit wire takes the xla ring."""
+    mesh = _mesh()
+    xs, x = _sharded_input(mesh, 1000, seed=2)
+    assert _paths(_auto_fn(mesh, wire_dtype=wire), x) == ({"jaxcomm_allreduce"}, set())
+    assert _paths(_auto_fn(mesh), x) == (set(), {"all-reduce"})
+    # The result: each input rounded to the wire once (after the 1/N
+    # prescale) and the float32 sum rounded to the wire once more, for any
+    # N: a float16 psum's error would grow with N instead.
+    got = np.asarray(_auto_fn(mesh, wire_dtype=wire)(x), np.float64)
+    want = xs.astype(np.float64).mean(0)
+    eps = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[wire]
+    bound = 2 * eps * np.abs(xs).astype(np.float64).mean(0) + 1e-7
+    assert np.all(np.abs(got - want) <= bound)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    calls, ops = _paths(_auto_fn(mesh, wire_dtype=wire), x)
+    assert not calls and ops == {"collective-permute", "all-gather"}
+    monkeypatch.undo()  # one process again, on a GPU as far as 'auto' can tell
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not _paths(_auto_fn(mesh, wire_dtype=wire), x)[0]
 
 
 def test_backend_auto_never_lowers_to_a_custom_call_on_gpu(monkeypatch):

@@ -15,21 +15,28 @@ import jax
 from jaxcomm.collectives import _checks, _ffi, _fp8
 
 
-def known_backend(backend: str, *, masked: bool = False, fp8: bool = False) -> str:
+def known_backend(
+    backend: str, *, masked: bool = False, narrow: bool = False, fp8: bool = False
+) -> str:
     """The backend as far as it is decided without the platform: 'auto' is
-    'xla' for plain collectives and for an FP8 wire (only the xla backend
-    has its schedule), and stays 'auto' with a chunk mask. An 'ffi' here has
-    not been checked for its handler yet."""
+    'xla' for a collective in the input's dtype and for an FP8 wire (only
+    the xla backend has its schedule), and stays 'auto' with a chunk mask or
+    a 16-bit wire. An 'ffi' here has not been checked for its handler yet."""
     _checks.check_choice("backend", backend, _checks.BACKENDS)
-    return "xla" if backend == "auto" and (fp8 or not masked) else backend
+    return "xla" if backend == "auto" and (fp8 or not (masked or narrow)) else backend
 
 
-def resolve_backend(backend: str, *, masked: bool = False, fp8: bool = False) -> str:
-    """'auto' is 'xla' for plain collectives: on CPU lax.psum is as fast as the
-    ffi direct schedule from 16 MiB up and faster below (bench/allreduce.py).
-    With a chunk mask it is 'ffi' where available, the only backend that
-    sends just the selected chunks without a static bound."""
-    backend = known_backend(backend, masked=masked, fp8=fp8)
+def resolve_backend(
+    backend: str, *, masked: bool = False, narrow: bool = False, fp8: bool = False
+) -> str:
+    """'auto' is 'xla' for a collective in the input's dtype: on CPU lax.psum
+    is as fast as the ffi direct schedule from 16 MiB up and faster below
+    (bench/allreduce.py). It is 'ffi' where available with a chunk mask (the
+    only backend that sends just the selected chunks without a static
+    bound) and with a 16-bit wire (XLA's CPU all-reduce adds float16 in
+    float16, at 2-2.5x the step time of ffi's float32 adds in
+    bench/overhead.py, and widens bfloat16 to float32)."""
+    backend = known_backend(backend, masked=masked, narrow=narrow, fp8=fp8)
     if backend == "auto":
         # Across processes on CPU the ffi handlers run over TCP, which has not
         # been compared with gloo widely enough to be the default. On GPU the

@@ -15,7 +15,9 @@ def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
       axis_name: axis name or tuple of names; rank order is the linear index.
       wire_dtype: ``None`` or a narrower float dtype to send (rounds values;
         every device, the sender included, sees the rounded values).
-      backend: ``"auto"``, ``"xla"`` (``lax.all_gather``) or ``"ffi"`` (ring).
+      backend: ``"xla"`` (``lax.all_gather``), ``"ffi"`` (ring) or ``"auto"``:
+        ffi for a 16-bit wire in one process on CPU, as
+        :func:`jaxcomm.allreduce`; xla otherwise.
 
     Returns:
       An array of shape ``(N, *x.shape)`` in ``x.dtype``.

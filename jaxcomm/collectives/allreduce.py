@@ -74,9 +74,10 @@ def allreduce(
         algorithms raise ValueError. inf and NaN inputs come back non-finite
         (float8_e4m3fn has no inf: NaN).
       backend: ``"xla"`` (JAX collectives; any platform, many processes),
-        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except with a
-        ``chunk_mask`` where ffi (one process on CPU, handler present) sends
-        only the selected chunks.
+        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except in one
+        process on CPU (handler present) with a ``chunk_mask``, where ffi
+        sends only the selected chunks, or a 16-bit wire, where ffi adds in
+        float32 and XLA's CPU all-reduce in float16, several times slower.
       chunk_mask: optional boolean array of shape ``(ceil(x.size /
         chunk_size),)``, identical on every device. Only selected chunks of
         the flattened ``x`` are reduced; the others come back as the local

@@ -18,7 +18,9 @@ def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: s
       axis_name: axis name or tuple of names.
       op: ``"sum"`` or ``"mean"``.
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16``.
-      backend: ``"auto"``, ``"xla"`` (``lax.psum_scatter``) or ``"ffi"`` (ring).
+      backend: ``"xla"`` (``lax.psum_scatter``), ``"ffi"`` (ring) or ``"auto"``:
+        ffi for a 16-bit wire in one process on CPU, as
+        :func:`jaxcomm.allreduce`; xla otherwise.
 
     Returns:
       A 1-D array of S elements in ``x.dtype``.

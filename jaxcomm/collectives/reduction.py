@@ -96,7 +96,9 @@ class Reduction:
           NameError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
-        backend = _backend.resolve_backend(self.backend, masked=self.masked, fp8=self.fp8)
+        backend = _backend.resolve_backend(
+            self.backend, masked=self.masked, narrow=self.narrow, fp8=self.fp8
+        )
         place = placement(self.axes)
         algorithm = _backend.resolve_algorithm(
             self.algorithm, backend, self.axes, narrow=self.narrow, fp8=self.fp8
@@ -137,7 +139,9 @@ def reduction(
     """
     axes = normalize(axis_name)
     wire = _checks.check_wire_dtype(wire_dtype)
-    known = _backend.known_backend(backend, masked=masked, fp8=_fp8.is_fp8(wire))
+    known = _backend.known_backend(
+        backend, masked=masked, narrow=_scales.is_narrow(wire), fp8=_fp8.is_fp8(wire)
+    )
     _checks.check_choice("op", op, _checks.OPS)
     _backend.check_algorithm(algorithm, known, axes)
     _fp8.check_options(wire, algorithm, known)
