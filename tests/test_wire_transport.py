@@ -96,9 +96,7 @@ def test_allreduce_gradients_stats_match_the_compiled_bytes():
     a bfloat16 wire on the ring, that is 2 bytes a gradient element, which is
     what the compiled permutes and all-gather carry."""
     mesh = _mesh()
-    tx = jaxcomm.allreduce_gradients(
-        "data", wire_dtype="bfloat16", algorithm="ring", backend="xla"
-    )
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype="bfloat16", algorithm="ring", backend="xla")
     params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
     state = tx.init(params)
 
