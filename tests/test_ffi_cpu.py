@@ -245,3 +245,38 @@ def test_in_place_aliases_the_buffer_of_an_intermediate():
 def test_production_module_carries_no_test_harness():
     assert hasattr(harness, "run_threads")
     assert not hasattr(ext, "run_threads")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pool_writes_the_parts_in_order_plus_the_addend(dtype):
+    """jaxcomm_pool (chunk_sparse's gradient pool on CPU) against NumPy: one
+    IEEE addition per element, so equal bitwise. Parts of odd sizes, an empty
+    one among them."""
+    from jaxcomm.collectives import _ffi
+
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal(n).astype(dtype) for n in (5, 0, 1, 300, 17)]
+    addend = rng.standard_normal(323).astype(dtype)
+    with jax.enable_x64(dtype == np.float64):
+        got = jax.jit(lambda a, *p: _ffi.pool(p, a))(addend, *parts)
+        got = np.asarray(got)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, np.concatenate(parts) + addend)
+
+
+@pytest.mark.parametrize(
+    "sizes,dtypes,message",
+    [
+        ((4, 4), (np.float32, np.float32), "fewer elements than the addend"),
+        ((4, 8), (np.float32, np.float32), "more elements than the addend"),
+        ((6, 4), (np.float32, np.float16), "part 1 has another dtype"),
+    ],
+)
+def test_pool_names_what_does_not_fit(sizes, dtypes, message):
+    from jaxcomm.collectives import _ffi
+
+    parts = [np.ones(n, d) for n, d in zip(sizes, dtypes, strict=True)]
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(
+            jax.jit(lambda a, *p: _ffi.pool(p, a))(np.ones(10, np.float32), *parts)
+        )

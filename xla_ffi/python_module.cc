@@ -25,6 +25,7 @@ py::dict Registrations() {
   d["jaxcomm_reduce_scatter"] = Capsule(ReduceScatterCpu);
   d["jaxcomm_all_gather"] = Capsule(AllGatherCpu);
   d["jaxcomm_after"] = Capsule(AfterCpu);
+  d["jaxcomm_pool"] = Capsule(PoolCpu);
   return d;
 }
 

@@ -325,6 +325,16 @@ def after(x, deps):
     return call(x, *deps)
 
 
+def pool(parts, addend):
+    """The flat `parts` one after another, plus `addend` (CPU): one pass at
+    memory speed, where XLA's CPU code for a concatenate or a buffer updated
+    part by part runs several times slower (bench/README.md, overhead.py).
+    The parts have addend's dtype and fill it exactly."""
+    require("cpu")
+    call = jax.ffi.ffi_call("jaxcomm_pool", _result(addend, addend.shape, ()))
+    return call(addend, *parts)
+
+
 def reduce_scatter(x, place: AxisPlacement, *, wire, prescale, postscale):
     require()
     shard = -(-x.size // place.size)

@@ -188,7 +188,7 @@ def chunk_sparse(
             upd, inner_state = inner.update(updates, state.inner, params)
             return upd, state._replace(inner=inner_state, count=state.count + 1)
 
-        g = _to_pool(leaves, _pool_dtype(leaves)) + _state.local(state.residual)
+        g = bound.pool(_pool_parts(leaves, _pool_dtype(leaves)), _state.local(state.residual))
         elem_mask = _elements(state.mask, chunk_size, size)
         # Important chunks averaged (the same on every device), zeros elsewhere.
         exchanged, payload = bound.exchange(g, state.mask, max_chunks=_selected(density, nchunks))
@@ -289,16 +289,9 @@ def _pool_dtype(leaves):
     return jnp.float64 if wide else jnp.float32
 
 
-def _to_pool(leaves, dtype):
+def _pool_parts(leaves, dtype):
     """Leaves in the order backward produces them (reverse tree order), flat."""
-    parts = [jnp.ravel(x).astype(dtype) for x in reversed(leaves)]
-    # Each leaf written into place: XLA CPU's concatenate takes several
-    # times as long as these copies.
-    pool, offset = jnp.zeros((sum(p.size for p in parts),), dtype), 0
-    for part in parts:
-        pool = jax.lax.dynamic_update_slice(pool, part, (offset,))
-        offset += part.size
-    return pool
+    return [jnp.ravel(x).astype(dtype) for x in reversed(leaves)]
 
 
 def _from_pool(pool, leaves):
