@@ -46,9 +46,9 @@ def _mesh():
     return jax.make_mesh((N,), ("data",))
 
 
-def _allreduce_fn(mesh, **opts):
+def _allreduce_fn(mesh, backend="xla", **opts):
     def f(x):
-        return jaxcomm.allreduce(x * 1.0, "data", op="mean", backend="xla", **opts)
+        return jaxcomm.allreduce(x * 1.0, "data", op="mean", backend=backend, **opts)
 
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
 
@@ -135,13 +135,6 @@ def test_auto_is_the_ring_for_a_16_bit_wire_across_processes(monkeypatch):
     assert ops() == {"all-reduce"}  # float32 stays with gloo's psum
 
 
-def _auto_fn(mesh, **opts):
-    def f(x):
-        return jaxcomm.allreduce(x * 1.0, "data", op="mean", **opts)
-
-    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
-
-
 def _paths(f, x) -> tuple[set, set]:
     """(jaxcomm custom calls in the lowering, collectives in the compiled step)."""
     lowered = f.lower(x)
@@ -156,22 +149,22 @@ def test_auto_takes_ffi_for_a_16_bit_wire_in_one_cpu_process(monkeypatch, wire):
     processes a 16-bit wire takes the xla ring."""
     mesh = _mesh()
     xs, x = _sharded_input(mesh, 1000, seed=2)
-    assert _paths(_auto_fn(mesh, wire_dtype=wire), x) == ({"jaxcomm_allreduce"}, set())
-    assert _paths(_auto_fn(mesh), x) == (set(), {"all-reduce"})
+    assert _paths(_allreduce_fn(mesh, "auto", wire_dtype=wire), x) == ({"jaxcomm_allreduce"}, set())
+    assert _paths(_allreduce_fn(mesh, "auto"), x) == (set(), {"all-reduce"})
     # The result: each input rounded to the wire once (after the 1/N
     # prescale) and the float32 sum rounded to the wire once more, for any
     # N: a float16 psum's error would grow with N instead.
-    got = np.asarray(_auto_fn(mesh, wire_dtype=wire)(x), np.float64)
+    got = np.asarray(_allreduce_fn(mesh, "auto", wire_dtype=wire)(x), np.float64)
     want = xs.astype(np.float64).mean(0)
     eps = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[wire]
     bound = 2 * eps * np.abs(xs).astype(np.float64).mean(0) + 1e-7
     assert np.all(np.abs(got - want) <= bound)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    calls, ops = _paths(_auto_fn(mesh, wire_dtype=wire), x)
+    calls, ops = _paths(_allreduce_fn(mesh, "auto", wire_dtype=wire), x)
     assert not calls and ops == {"collective-permute", "all-gather"}
     monkeypatch.undo()  # one process again, on a GPU as far as 'auto' can tell
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not _paths(_auto_fn(mesh, wire_dtype=wire), x)[0]
+    assert not _paths(_allreduce_fn(mesh, "auto", wire_dtype=wire), x)[0]
 
 
 def test_backend_auto_never_lowers_to_a_custom_call_on_gpu(monkeypatch):
