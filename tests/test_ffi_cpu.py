@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import _ffi as ext
@@ -280,3 +281,150 @@ def test_pool_names_what_does_not_fit(sizes, dtypes, message):
         jax.block_until_ready(
             jax.jit(lambda a, *p: _ffi.pool(p, a))(np.ones(10, np.float32), *parts)
         )
+
+
+# Parts that begin and end inside the 16384-element shares the direct
+# schedule hands its threads, and small and empty ones.
+PART_SHAPES = [(3, 5), (0,), (1,), (64, 65), (17,), (300, 301), (2, 3, 4), (40_000,)]
+
+
+def _bucket(parts, algorithm, wire, *, mesh_shape=(4,)):
+    """The reduced parts of one bucket, via allreduce_parts (backend="ffi"),
+    and the same bucket concatenated and reduced by jaxcomm.allreduce, split."""
+    from jaxcomm.collectives import reduction
+
+    axes = ("i",) if len(mesh_shape) == 1 else ("a", "i")
+    mesh = mesh_of(mesh_shape, axes)
+    red = reduction(axes, op="mean", wire_dtype=wire, algorithm=algorithm, backend="ffi")
+
+    def both(*ps):
+        bucket = red.bind().allreduce_bucket(list(ps))
+        flat = jaxcomm.allreduce(
+            jnp.concatenate([p.ravel() for p in ps]),
+            axes,
+            op="mean",
+            wire_dtype=wire,
+            algorithm=algorithm,
+            backend="ffi",
+        )
+        return tuple(bucket), flat
+
+    return run_sharded(both, mesh, *parts)
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "hierarchical"])
+@pytest.mark.parametrize("wire", [None, jnp.float16, jnp.bfloat16])
+def test_allreduce_parts_is_bitwise_the_concatenated_allreduce(algorithm, wire):
+    """jaxcomm_allreduce_parts (a bucket of leaves without a concatenate):
+    each result is its part's slice of the allreduce of the concatenation,
+    bitwise (the same additions in the same order), and the mean of a
+    float64 NumPy reference within the wire's roundings."""
+    mesh_shape = (2, 2) if algorithm == "hierarchical" else (4,)
+    rng = np.random.default_rng(7)
+    parts = [rng.standard_normal((4, *s)).astype(np.float32) for s in PART_SHAPES]
+    bucket, flat = _bucket(parts, algorithm, wire, mesh_shape=mesh_shape)
+    offset = 0
+    for part, got in zip(parts, bucket, strict=True):
+        n = part[0].size
+        assert got.shape == part.shape
+        np.testing.assert_array_equal(got.reshape(4, -1), flat[:, offset : offset + n])
+        offset += n
+        want = part.astype(np.float64).mean(0)
+        # Each addend rounded to the wire, then the sum once more.
+        eps = {None: 2.0**-24, jnp.float16: 2.0**-11, jnp.bfloat16: 2.0**-8}[wire]
+        bound = 2 * eps * np.abs(part).max(initial=0) + 1e-6
+        for row in got:
+            np.testing.assert_allclose(row, want, rtol=0, atol=bound)
+
+
+def test_a_bucket_of_several_leaves_is_one_call_and_no_concatenate():
+    """ffi on CPU: allreduce_gradients' bucket is one jaxcomm_allreduce_parts
+    call on the leaves themselves; XLA builds no bucket and slices none."""
+    mesh = mesh_of((4,), ("i",))
+    shapes = {"a": (64, 32), "b": (32,), "c": (32, 10)}
+    tx = jaxcomm.allreduce_gradients("i", backend="ffi", bucket_bytes=float("inf"))
+    state = tx.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    rows = {
+        k: jax.ShapeDtypeStruct(
+            (4, *s), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("i"))
+        )
+        for k, s in shapes.items()
+    }
+
+    def step(g):
+        return tx.update(jax.tree.map(lambda x: x[0] * 2, g), state)[0]
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P("i"),), out_specs=P())
+    hlo = jax.jit(f).lower(rows).compile().as_text()
+    assert hlo.count('custom_call_target="jaxcomm_allreduce_parts"') == 1
+    assert 'custom_call_target="jaxcomm_allreduce"' not in hlo
+    # (The [group, rank] operand is an s32[2] concatenate.)
+    assert not re.search(r"f32\[\d+\]\S* (concatenate|slice)\(", hlo)
+
+
+def test_allreduce_parts_differentiates_like_the_concatenated_allreduce():
+    """The bucket's derivative is psum's, as for one array: the gradient of
+    a weighted sum of the reduced parts, in varying-typed shard_map."""
+    from jaxcomm.collectives import reduction
+
+    mesh = mesh_of((4,), ("i",))
+    red = reduction("i", op="mean", backend="ffi")
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((4, *s)).astype(np.float32) for s in [(3, 4), (5,)])
+    wa, wb = (rng.standard_normal(s).astype(np.float32) for s in [(3, 4), (5,)])
+
+    def loss_parts(x, y):
+        ra, rb = red.bind().allreduce_bucket([x, y])
+        return jnp.sum(ra * wa) + jnp.sum(rb * wb)
+
+    def loss_flat(x, y):
+        r = jaxcomm.allreduce(jnp.concatenate([x.ravel(), y]), "i", op="mean", backend="ffi")
+        return jnp.sum(r[:12].reshape(3, 4) * wa) + jnp.sum(r[12:] * wb)
+
+    got = run_sharded(jax.grad(loss_parts, argnums=(0, 1)), mesh, a, b)
+    want = run_sharded(jax.grad(loss_flat, argnums=(0, 1)), mesh, a, b)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(got[0][0], wa / 4, rtol=1e-6)
+
+
+def _raw_parts_call(parts, results):
+    """jaxcomm_allreduce_parts called directly, one rank (no shard_map)."""
+    from jaxcomm.collectives import _ffi
+
+    _ffi.require("cpu")
+    call = jax.ffi.ffi_call("jaxcomm_allreduce_parts", results)
+    return call(
+        np.array([0, 0], np.int32),
+        *parts,
+        op_id=np.int64(10**9),
+        algorithm=np.int32(DIRECT),
+        nranks=np.int32(1),
+        intra_size=np.int32(1),
+        wire_dtype=np.int32(-1),
+        prescale=np.float64(1.0),
+        postscale=np.float64(1.0),
+    )
+
+
+def test_allreduce_parts_on_one_rank_copies_each_part():
+    parts = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)]
+    results = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
+    got = jax.jit(lambda *p: _raw_parts_call(p, results))(*parts)
+    for g, p in zip(got, parts, strict=True):
+        np.testing.assert_array_equal(g, p)
+
+
+@pytest.mark.parametrize(
+    "parts,results,message",
+    [
+        ([np.ones(4, np.float32), np.ones(4, np.float64)], None, "part 1 has another dtype"),
+        ([np.ones(4, np.float32)], [(4,), (4,)], "1 inputs but 2 results"),
+        ([np.ones(4, np.float32), np.ones(3, np.float32)], [(4,), (2,)], "result 1 must have"),
+    ],
+)
+def test_allreduce_parts_names_what_does_not_fit(parts, results, message):
+    shapes = [p.shape for p in parts] if results is None else results
+    results = tuple(jax.ShapeDtypeStruct(s, np.float32) for s in shapes)
+    with jax.enable_x64(True), pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(lambda *p: _raw_parts_call(p, results))(*parts))

@@ -26,6 +26,7 @@ py::dict Registrations() {
   d["jaxcomm_all_gather"] = Capsule(AllGatherCpu);
   d["jaxcomm_after"] = Capsule(AfterCpu);
   d["jaxcomm_pool"] = Capsule(PoolCpu);
+  d["jaxcomm_allreduce_parts"] = Capsule(AllReducePartsCpu);
   return d;
 }
 

@@ -316,6 +316,30 @@ def allreduce(
     )
 
 
+def allreduce_parts(
+    parts, place: AxisPlacement, *, algorithm, wire, prescale, postscale, intra_size
+):
+    """One allreduce over several arrays of one dtype (a bucket of leaves),
+    as if they lay one after another; returns one result per part, shaped
+    like it and typed replicated (CPU). No concatenate before the call and no
+    slices after it: the direct schedule reads and writes the parts where
+    they are; the others copy them together inside the handler."""
+    require("cpu")
+    results = tuple(_result(p, p.shape, place.axes) for p in parts)
+    call = jax.ffi.ffi_call("jaxcomm_allreduce_parts", results)
+    return call(
+        _coords(place),
+        *parts,
+        **_peers(parts[0], place),
+        algorithm=np.int32(ALGORITHM_CODES[algorithm]),
+        nranks=np.int32(place.size),
+        intra_size=np.int32(intra_size),
+        wire_dtype=_wire_code(wire, parts[0].dtype),
+        prescale=np.float64(prescale),
+        postscale=np.float64(postscale),
+    )
+
+
 def after(x, deps):
     """`x`, once every array in `deps` exists (CPU): the call reads nothing
     of `deps` and returns x in x's own buffer, with x's type, so that XLA

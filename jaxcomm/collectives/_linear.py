@@ -13,10 +13,11 @@ def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce)
 
     forward is the linear map y = scale * sum_devices(x) (up to wire
     rounding). Its transpose is, like psum's, a pvary times scale in
-    vma-typed shard_map, and the same allreduce elsewhere.
+    vma-typed shard_map, and the same allreduce elsewhere. `x` may be a
+    tuple of arrays reduced together (a bucket's parts).
     """
     axes = normalize(axes)
-    vma = is_vma_typed(x, axes)
+    vma = is_vma_typed(jax.tree.leaves(x)[0], axes)
 
     @jax.custom_vjp
     def f(v):
@@ -25,11 +26,14 @@ def linear_collective(forward, x, axes: tuple, scale: float, backward_allreduce)
     def fwd(v):
         return forward(v), None
 
+    def scaled(ct):
+        if not is_vma_typed(ct, axes):  # a result typed as replicated
+            ct = lax.pcast(ct, axes, to="varying")
+        return (ct * scale).astype(ct.dtype) if scale != 1.0 else ct
+
     def bwd(_, ct):
         if vma:
-            if not is_vma_typed(ct, axes):  # a result typed as replicated
-                ct = lax.pcast(ct, axes, to="varying")
-            return ((ct * scale).astype(ct.dtype) if scale != 1.0 else ct,)
+            return (jax.tree.map(scaled, ct),)
         return (backward_allreduce(ct),)
 
     f.defvjp(fwd, bwd)

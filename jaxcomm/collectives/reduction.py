@@ -241,18 +241,33 @@ class BoundReduction(NamedTuple):
         arguments are its per-call ones (chunk_mask, max_chunks, unselected)."""
         return _allreduce.allreduce(self, x, **kwargs)
 
-    def allreduce_bucket(self, parts, *, in_place: bool = True):
-        """One collective over the concatenation of `parts` (arrays of one
-        dtype); returns the reduced flat bucket. The concatenation of several
-        parts is a fresh buffer, so the result may take it over where the
-        schedule allows; a single part is the caller's array, which the
-        result takes over only with `in_place` (False for a parameter of the
-        step, which XLA would first copy: a computed operand that delays the
-        call)."""
+    def allreduce_bucket(self, parts, *, in_place: bool = True, after=()):
+        """One collective over `parts` (arrays of one dtype) as if they lay
+        one after another; returns the reduced parts, shaped as given.
+
+        ffi on CPU reduces several parts where they lie, into one result
+        each. Elsewhere the parts are concatenated (a fresh buffer, which the
+        result may take over where the schedule allows) and the result is
+        sliced back. A single part is the caller's array, which the result
+        takes over only with `in_place` (False for a parameter of the step,
+        which XLA would first copy: a computed operand that delays the call).
+        `after`: arrays that must exist before anything reads the result
+        (:meth:`after`).
+        """
+        if len(parts) > 1 and self.backend == "ffi" and jax.default_backend() == "cpu":
+            reduced = _allreduce.allreduce_parts(self, parts)
+            return [self.after(r, after) if after else r for r in reduced]
         flat = jnp.concatenate([jnp.ravel(p) for p in parts])
         # An FP8 wire scales each part by itself, as cast_error does for a leaf.
         sizes = tuple(int(np.size(p)) for p in parts)
-        return _allreduce.allreduce(self, flat, in_place=in_place or len(parts) > 1, parts=sizes)
+        red = _allreduce.allreduce(self, flat, in_place=in_place or len(parts) > 1, parts=sizes)
+        if after:  # on the call's own result, before any slice or reshape reads it
+            red = self.after(red, after)
+        out, offset = [], 0
+        for p, n in zip(parts, sizes, strict=True):
+            out.append(red[offset : offset + n].reshape(jnp.shape(p)))
+            offset += n
+        return out
 
     def after(self, x, deps):
         """`x`, read only once every array in `deps` exists. ffi on CPU holds

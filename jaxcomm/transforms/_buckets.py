@@ -110,21 +110,15 @@ def reduce_in_buckets(
     Zero-size leaves are in no bucket and come back as they are. With
     `scale_back`, a narrow wire's mean is turned back into the sum
     (``BoundReduction.sum_from_mean``). `in_place`: a bucket of one leaf may
-    take that leaf's buffer (``BoundReduction.allreduce_bucket``). `after`:
-    arrays that must exist before anything reads a bucket's result
-    (``BoundReduction.after``).
+    take that leaf's buffer, and `after` holds arrays that must exist before
+    anything reads a bucket's result (``BoundReduction.allreduce_bucket``).
     """
     buckets = leaf_buckets(leaves, bucket_bytes)
     out = list(leaves)
     for bucket in buckets:
-        red = bound.allreduce_bucket([leaves[i] for i in bucket], in_place=in_place)
-        if after:
-            red = bound.after(red, after)
-        if scale_back:
-            red = bound.sum_from_mean(red)
-        offset = 0
-        for i in bucket:
-            n = int(np.size(leaves[i]))
-            out[i] = red[offset : offset + n].reshape(jnp.shape(leaves[i]))
-            offset += n
+        reduced = bound.allreduce_bucket(
+            [leaves[i] for i in bucket], in_place=in_place, after=after
+        )
+        for i, red in zip(bucket, reduced, strict=True):
+            out[i] = bound.sum_from_mean(red) if scale_back else red
     return out, buckets_payload(leaves, buckets, bound), len(buckets)

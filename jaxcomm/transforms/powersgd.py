@@ -327,10 +327,10 @@ def _power_step(leaves, residual, q0, mats, dtype, bound, error_feedback: bool):
     )
 
     ps = [jnp.matmul(mm, q, precision=_PRECISION) for mm, q in zip(ms, q0, strict=True)]
-    ps = _split(bound.allreduce_bucket(ps), [p.shape for p in ps])
+    ps = bound.allreduce_bucket(ps)
     ps = [_orthonormal_columns(p) for p in ps]
     qs = [jnp.matmul(mm.T, p, precision=_PRECISION) for mm, p in zip(ms, ps, strict=True)]
-    qs = _split(bound.allreduce_bucket(qs), [q.shape for q in qs])
+    qs = bound.allreduce_bucket(qs)
     payload += sum(bound.payload_bytes(p.size + q.size, dtype) for p, q in zip(ps, qs, strict=True))
 
     new_residual = []

@@ -36,6 +36,28 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
                 "jaxcomm allreduce: no blocking schedule for this algorithm");
 }
 
+ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
+                               std::vector<size_t> parts, std::vector<const void*> in,
+                               std::vector<void*> out, std::function<void()> on_success) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  auto complete = [promise, then = std::move(on_success)](const Status& st) mutable {
+    if (!st.ok()) return promise.SetError(ToError(st));
+    if (then) then();
+    promise.SetAvailable();
+  };
+  size_t n = 0;
+  for (size_t size : parts) n += size;
+  DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
+                  site.nranks,
+                  {site.op, site.fingerprint},
+                  spec,
+                  n,
+                  std::move(parts)};
+  ArriveDirect(call, {site.rank, site.device, std::move(in), std::move(out), std::move(complete)});
+  return future;
+}
+
 namespace {
 
 // The first `slots` chunks a mask selects, as [begin, end) element ranges.
@@ -73,41 +95,19 @@ void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed
   if (zero) std::memset(out + end * isz, 0, (n - end) * isz);
 }
 
-// The direct schedule: leave the buffers at the rendezvous and return; the
-// last rank's thread (and workers) complete the future.
-ffi::Future AllReduceDirect(const CallSite& site, const ReduceSpec& spec, const char* in, char* out,
-                            size_t n, const std::vector<Range>& chunks, bool masked, size_t packed,
-                            bool zero) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  auto complete = [promise](const Status& st) mutable {
-    if (st.ok()) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(ToError(st));
-    }
-  };
-  DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
-                  site.nranks,
-                  {site.op, site.fingerprint},
-                  spec,
-                  masked ? packed : n};
-  if (!masked) {
-    ArriveDirect(call, {site.rank, site.device, in, out, std::move(complete)});
-    return future;
-  }
+// The direct masked schedule: pack the selected chunks, reduce them
+// directly, unpack them once the last rank has reduced.
+ffi::Future AllReduceDirectMasked(const CallSite& site, const ReduceSpec& spec, const char* in,
+                                  char* out, size_t n, const std::vector<Range>& chunks,
+                                  size_t packed, bool zero) {
   const size_t isz = SizeOf(spec.input);
   std::shared_ptr<char[]> buffer(new char[std::max<size_t>(2 * packed, 1) * isz]);
   char* packed_in = buffer.get();
   char* packed_out = packed_in + packed * isz;
   Pack(chunks, in, packed_in, isz);
-  ArriveDirect(call, {site.rank, site.device, packed_in, packed_out,
-                      [=, complete = std::move(complete)](const Status& st) mutable {
-                        if (st.ok())
-                          Unpack(chunks, in, buffer.get() + packed * isz, out, n, isz, zero);
-                        complete(st);
-                      }});
-  return future;
+  return ArriveDirectFuture(site, spec, {packed}, {packed_in}, {packed_out}, [=] {
+    Unpack(chunks, in, buffer.get() + packed * isz, out, n, isz, zero);
+  });
 }
 
 ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
@@ -162,7 +162,8 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   // chunks keep the local values or are zeroed.
   const bool zero = unselected == kUnselectedZero;
   if (algo == Algorithm::kDirect) {
-    return AllReduceDirect(site, spec, in, out, n, chunks, masked, packed, zero);
+    if (!masked) return ArriveDirectFuture(site, spec, {n}, {in}, {out});
+    return AllReduceDirectMasked(site, spec, in, out, n, chunks, packed, zero);
   }
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
     if (!masked) return ReduceContiguous(rings, algo, spec, in, out, n);

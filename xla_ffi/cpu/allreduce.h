@@ -2,13 +2,26 @@
 // FFI handler and the pybind11 thread harness.
 #pragma once
 
+#include <functional>
+#include <vector>
+
 #include "algorithm/schedule.h"
 #include "cpu/collective.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
 
 // Runs `algorithm` on n contiguous elements over the rings of `rings`.
 Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec, const void* in,
                         void* out, size_t n);
+
+// The direct schedule for this rank of `site`: leaves its buffers (one in and
+// one out per part, `parts` elements each) at the rendezvous and returns a
+// future that the last rank to arrive completes, after running `on_success`
+// (on whichever thread completes it) when the reduction succeeded.
+xla::ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
+                                    std::vector<size_t> parts, std::vector<const void*> in,
+                                    std::vector<void*> out,
+                                    std::function<void()> on_success = nullptr);
 
 }  // namespace jaxcomm::cpu

@@ -36,20 +36,28 @@ char* Offset(void* p, size_t elems, DType t) { return static_cast<char*>(p) + el
 // One call whose ranks are arriving.
 struct Pending {
   explicit Pending(const DirectCall& c)
-      : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + Timeout()) {}
+      : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + Timeout()) {
+    size_t at = 0;
+    for (size_t size : call.parts) {
+      starts.push_back(at);
+      at += size;
+    }
+  }
   std::string Describe() const { return DescribeCall(call.sig.op, call.key, call.nranks); }
 
   DirectCall call;
+  std::vector<size_t> starts;  // where each part begins in the call's elements
   std::vector<std::optional<DirectRank>> ranks;
   int arrived = 0;
   Clock::time_point start, deadline;
   std::optional<Status> failure;  // set: every rank, present or late, gets it
 };
 
-// Sums elements [begin, end) over the ranks and writes them to every output.
-// Each block is read from every rank before any output of it is written, so
-// an output may be its rank's own input (an in-place allreduce).
-void ReduceRange(const Pending& p, size_t begin, size_t end) {
+// Sums elements [begin, end) of part `part` over the ranks and writes them
+// to every output. Each block is read from every rank before any output of
+// it is written, so an output may be its rank's own input (an in-place
+// allreduce).
+void ReducePart(const Pending& p, size_t part, size_t begin, size_t end) {
   Kernels& k = CpuKernels::Get();
   const ReduceSpec& spec = p.call.spec;
   const DType input = spec.input, wire = spec.wire, acc = spec.acc();
@@ -67,7 +75,7 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
   for (size_t at = begin; at < end; at += kBlock) {
     const size_t len = std::min(kBlock, end - at);
     for (int j = 0; j < size; ++j) {
-      const void* from = Offset(p.ranks[j]->in, at, input);
+      const void* from = Offset(p.ranks[j]->in[part], at, input);
       if (cast_in) {
         k.Convert(on_wire, wire, from, input, len, spec.prescale);
         from = on_wire;
@@ -84,8 +92,22 @@ void ReduceRange(const Pending& p, size_t begin, size_t end) {
     k.Convert(on_wire, wire, sum, acc, len, spec.postscale);
     if (result != on_wire) k.Convert(result, input, on_wire, wire, len, 1.0);
     for (int j = 0; j < size; ++j) {
-      std::memcpy(Offset(p.ranks[j]->out, at, input), result, len * row);
+      std::memcpy(Offset(p.ranks[j]->out[part], at, input), result, len * row);
     }
+  }
+}
+
+// Elements [begin, end) of the call, counted over its parts one after another.
+void ReduceRange(const Pending& p, size_t begin, size_t end) {
+  const std::vector<size_t>& starts = p.starts;
+  // The last part that starts at or before `begin` (empty parts are skipped).
+  size_t part = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+  for (size_t at = begin; at < end; ++part) {
+    const size_t part_end = starts[part] + p.call.parts[part];
+    if (part_end <= at) continue;
+    const size_t stop = std::min(end, part_end);
+    ReducePart(p, part, at - starts[part], stop - starts[part]);
+    at = stop;
   }
 }
 
@@ -126,8 +148,10 @@ void Reduce(std::shared_ptr<Pending> p, int mine) {
   const size_t n = p->call.n;
   if (p->call.nranks == 1) {
     const ReduceSpec& s = p->call.spec;
-    CpuKernels::Get().Convert(p->ranks[0]->out, s.input, p->ranks[0]->in, s.input, n,
-                              s.prescale * s.postscale);
+    for (size_t i = 0; i < p->call.parts.size(); ++i) {
+      CpuKernels::Get().Convert(p->ranks[0]->out[i], s.input, p->ranks[0]->in[i], s.input,
+                                p->call.parts[i], s.prescale * s.postscale);
+    }
     return Finish(*p, mine);
   }
   const size_t cores = std::max(1u, std::thread::hardware_concurrency());
@@ -165,6 +189,13 @@ class DirectRendezvous {
                             "jaxcomm " + call.sig.op + ": rank " + std::to_string(me.rank) +
                                 " is outside a group of " + std::to_string(call.nranks)));
     }
+    if (me.in.size() != call.parts.size() || me.out.size() != call.parts.size()) {
+      return me.done(Status(Code::kInvalidArgument,
+                            "jaxcomm " + call.sig.op + ": rank " + std::to_string(me.rank) +
+                                " gave " + std::to_string(me.in.size()) + " inputs and " +
+                                std::to_string(me.out.size()) + " outputs for " +
+                                std::to_string(call.parts.size()) + " parts"));
+    }
     std::unique_lock<std::mutex> l(mu_);
     std::shared_ptr<Pending>& slot = slots_[call.key];
     if (!slot) {
@@ -193,7 +224,7 @@ class DirectRendezvous {
     p->arrived++;
     if (p->failure) {
       // Late ranks of a failed round fail at once; the last one removes it.
-      p->ranks[me.rank] = DirectRank{me.rank, me.device, nullptr, nullptr, nullptr};
+      p->ranks[me.rank] = DirectRank{me.rank, me.device, {}, {}, nullptr};
       if (p->arrived == p->call.nranks) slots_.erase(call.key);
       const Status failure = *p->failure;
       l.unlock();

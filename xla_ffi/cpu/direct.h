@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <vector>
 
 #include "algorithm/schedule.h"
 #include "cpu/rendezvous.h"
@@ -24,15 +25,18 @@ struct DirectCall {
   int nranks;
   CallSignature sig;
   ReduceSpec spec;
-  size_t n;  // elements per rank
+  size_t n;                   // elements per rank
+  std::vector<size_t> parts;  // elements of each buffer of a rank, n in all
 };
 
-// One rank's part of a call.
+// One rank's part of a call: a buffer in and out per part of the call,
+// reduced as if they lay one after another (a bucket of leaves, without
+// copying them together first).
 struct DirectRank {
   int rank;
   int device;  // for stats
-  const void* in;
-  void* out;
+  std::vector<const void*> in;
+  std::vector<void*> out;
   std::function<void(const Status&)> done;  // called once, from any thread
 };
 

@@ -9,4 +9,5 @@ extern "C" XLA_FFI_Error* ReduceScatterCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AllGatherCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AfterCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* PoolCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllReducePartsCpu(XLA_FFI_CallFrame* call_frame);
 }  // namespace jaxcomm::cpu
