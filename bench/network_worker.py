@@ -291,6 +291,7 @@ TRAIN_CONFIGS = (
     "powersgd_r4",
     # The same over jaxcomm's ffi collectives (TCP between processes).
     "allreduce_ffi",
+    "fp16_ffi",
     "double_buffering_ffi",
     "chunk_sparse_ffi",
     "unfused_ffi",
