@@ -36,6 +36,11 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
                 "jaxcomm allreduce: no blocking schedule for this algorithm");
 }
 
+Algorithm ScheduleOf(const CallSite& site) {
+  return site.algorithm == Algorithm::kDirect && CrossesProcesses(site) ? Algorithm::kRing
+                                                                        : site.algorithm;
+}
+
 ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
                                std::vector<size_t> parts, std::vector<const void*> in,
                                std::vector<void*> out, std::function<void()> on_success) {
@@ -154,10 +159,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
-  // Shared memory does not reach other processes: there the ring runs.
-  const Algorithm algo = site.algorithm == Algorithm::kDirect && CrossesProcesses(site)
-                             ? Algorithm::kRing
-                             : site.algorithm;
+  const Algorithm algo = ScheduleOf(site);
   // Only the selected chunks travel: pack them, reduce, unpack; the other
   // chunks keep the local values or are zeroed.
   const bool zero = unselected == kUnselectedZero;

@@ -15,6 +15,10 @@ namespace jaxcomm::cpu {
 Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spec, const void* in,
                         void* out, size_t n);
 
+// The schedule `site` runs: the one it names, except that direct needs shared
+// memory, which does not reach other processes; there the ring runs.
+Algorithm ScheduleOf(const CallSite& site);
+
 // The direct schedule for this rank of `site`: leaves its buffers (one in and
 // one out per part, `parts` elements each) at the rendezvous and returns a
 // future that the last rank to arrive completes, after running `on_success`

@@ -105,10 +105,7 @@ ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ff
                       Fingerprint({2, static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
                                    static_cast<int>(spec.wire), algorithm, intra_size,
                                    static_cast<int64_t>(sizes)})};
-  // Shared memory does not reach other processes: there the ring runs.
-  const Algorithm algo = site.algorithm == Algorithm::kDirect && CrossesProcesses(site)
-                             ? Algorithm::kRing
-                             : site.algorithm;
+  const Algorithm algo = ScheduleOf(site);
   if (algo == Algorithm::kDirect) {
     return ArriveDirectFuture(site, spec, parts.sizes, parts.in, parts.out);
   }
