@@ -261,6 +261,20 @@ def _result(x, shape, axes):
     return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, manual_axis_type=mat)
 
 
+def _reduction_attributes(x, place, algorithm, wire, prescale, postscale, intra_size) -> dict:
+    """The attributes jaxcomm_allreduce and jaxcomm_allreduce_parts share:
+    the peers, the schedule and the wire (x: the input, or its first part)."""
+    return {
+        **_peers(x, place),
+        "algorithm": np.int32(ALGORITHM_CODES[algorithm]),
+        "nranks": np.int32(place.size),
+        "intra_size": np.int32(intra_size),
+        "wire_dtype": _wire_code(wire, x.dtype),
+        "prescale": np.float64(prescale),
+        "postscale": np.float64(postscale),
+    }
+
+
 def allreduce(
     x,
     place: AxisPlacement,
@@ -303,13 +317,7 @@ def allreduce(
         x,
         _coords(place),
         mask,
-        **_peers(x, place),
-        algorithm=np.int32(ALGORITHM_CODES[algorithm]),
-        nranks=np.int32(place.size),
-        intra_size=np.int32(intra_size),
-        wire_dtype=_wire_code(wire, x.dtype),
-        prescale=np.float64(prescale),
-        postscale=np.float64(postscale),
+        **_reduction_attributes(x, place, algorithm, wire, prescale, postscale, intra_size),
         chunk_size=np.int64(chunk_size),
         max_chunks=np.int64(max_chunks or 0),
         unselected=np.int32(unselected),
@@ -330,13 +338,7 @@ def allreduce_parts(
     return call(
         _coords(place),
         *parts,
-        **_peers(parts[0], place),
-        algorithm=np.int32(ALGORITHM_CODES[algorithm]),
-        nranks=np.int32(place.size),
-        intra_size=np.int32(intra_size),
-        wire_dtype=_wire_code(wire, parts[0].dtype),
-        prescale=np.float64(prescale),
-        postscale=np.float64(postscale),
+        **_reduction_attributes(parts[0], place, algorithm, wire, prescale, postscale, intra_size),
     )
 
 

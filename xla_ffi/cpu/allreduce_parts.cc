@@ -35,15 +35,13 @@ struct Parts {
   size_t n = 0;
 };
 
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error::InvalidArgument("jaxcomm allreduce_parts: " + message);
-}
+constexpr char kOp[] = "allreduce_parts";
 
 ffi::Error CollectParts(ffi::RemainingArgs xs, ffi::RemainingRets ys, Parts* parts) {
-  if (xs.size() == 0) return Invalid("no parts");
+  if (xs.size() == 0) return Invalid(kOp, "no parts");
   if (xs.size() != ys.size()) {
-    return Invalid(std::to_string(xs.size()) + " inputs but " + std::to_string(ys.size()) +
-                   " results");
+    return Invalid(
+        kOp, std::to_string(xs.size()) + " inputs but " + std::to_string(ys.size()) + " results");
   }
   ffi::DataType dtype = ffi::DataType::INVALID;
   for (size_t i = 0; i < xs.size(); ++i) {
@@ -53,11 +51,11 @@ ffi::Error CollectParts(ffi::RemainingArgs xs, ffi::RemainingRets ys, Parts* par
     if (y.has_error()) return y.error();
     if (i == 0) dtype = x->element_type();
     if (x->element_type() != dtype) {
-      return Invalid("part " + std::to_string(i) + " has another dtype than part 0");
+      return Invalid(kOp, "part " + std::to_string(i) + " has another dtype than part 0");
     }
     if ((*y)->element_type() != dtype || (*y)->element_count() != x->element_count()) {
-      return Invalid("result " + std::to_string(i) + " must have part " + std::to_string(i) +
-                     "'s dtype and size");
+      return Invalid(kOp, "result " + std::to_string(i) + " must have part " + std::to_string(i) +
+                              "'s dtype and size");
     }
     parts->in.push_back(x->untyped_data());
     parts->out.push_back((*y)->untyped_data());
@@ -75,25 +73,23 @@ ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ff
   if (auto err = CollectParts(xs, ys, &parts); !err.success()) return CompletedFuture(err);
   ReduceSpec spec;
   auto first = xs.get<ffi::AnyBuffer>(0);
-  if (auto err = DecodeReduction("allreduce_parts", *first, coords, wire_dtype, prescale, postscale,
-                                 &spec);
+  if (auto err = DecodeReduction(kOp, *first, coords, wire_dtype, prescale, postscale, &spec);
       !err.success()) {
     return CompletedFuture(err);
   }
   if (!IsValidAlgorithm(algorithm)) {
-    return CompletedFuture(Invalid("unknown algorithm code " + std::to_string(algorithm)));
+    return CompletedFuture(Invalid(kOp, "unknown algorithm code " + std::to_string(algorithm)));
   }
   int64_t group;
   int32_t rank;
-  if (Status st = Placement("allreduce_parts", op_id, device, coords.typed_data(), &group, &rank);
-      !st.ok()) {
+  if (Status st = Placement(kOp, op_id, device, coords.typed_data(), &group, &rank); !st.ok()) {
     return CompletedFuture(ToError(st));
   }
   // The ranks must agree on every part's size, not only on the total.
   uint64_t sizes = Fingerprint({static_cast<int64_t>(parts.sizes.size())});
   for (size_t size : parts.sizes)
     sizes = Fingerprint({static_cast<int64_t>(sizes), static_cast<int64_t>(size)});
-  const CallSite site{"allreduce_parts",
+  const CallSite site{kOp,
                       run_id.run_id,
                       op_id,
                       device,
