@@ -169,6 +169,12 @@ class BoundReduction(NamedTuple):
     algorithm: str
 
     @property
+    def _cpu_ffi(self) -> bool:
+        """Whether jaxcomm's CPU handlers run this reduction, and with them its
+        CPU-only calls (allreduce_parts, after, pool)."""
+        return self.backend == "ffi" and jax.default_backend() == "cpu"
+
+    @property
     def size(self) -> int:
         """Devices on the reduced axes (N)."""
         return self.place.size
@@ -254,7 +260,7 @@ class BoundReduction(NamedTuple):
         `after`: arrays that must exist before anything reads the result
         (:meth:`after`).
         """
-        if len(parts) > 1 and self.backend == "ffi" and jax.default_backend() == "cpu":
+        if len(parts) > 1 and self._cpu_ffi:
             reduced = _allreduce.allreduce_parts(self, parts)
             return [self.after(r, after) if after else r for r in reduced]
         flat = jnp.concatenate([jnp.ravel(p) for p in parts])
@@ -275,7 +281,7 @@ class BoundReduction(NamedTuple):
         optimization barriers): otherwise XLA puts x's readers as early as
         they can go and lends the memory they free to the work in between,
         which then waits for x. Elsewhere `x` as it is."""
-        if self.backend == "ffi" and jax.default_backend() == "cpu":
+        if self._cpu_ffi:
             return _ffi.after(x, deps)
         return x
 
@@ -284,7 +290,7 @@ class BoundReduction(NamedTuple):
         `addend` (as long as all of them). ffi on CPU writes it in one
         custom call: XLA's CPU code for it runs well below memory bandwidth
         (a zero fill, then each part, then the add). Elsewhere XLA's."""
-        if self.backend == "ffi" and jax.default_backend() == "cpu":
+        if self._cpu_ffi:
             # The call's result is typed as its addend: local, as the parts.
             return _ffi.pool(parts, to_varying(addend, self.reduction.axes))
         out, offset = jnp.zeros(addend.shape, addend.dtype), 0
