@@ -80,7 +80,7 @@ py::list RunThreads(const std::vector<py::array>& inputs, int32_t dtype, int32_t
         if (site.algorithm == Algorithm::kDirect) {
           std::promise<Status> done;
           std::future<Status> result = done.get_future();
-          ArriveDirect({{run, 0, 0, Ring::kFlat, 0}, nranks, {site.op, 0}, spec, n, {n}},
+          ArriveDirect({{run, 0, 0, Ring::kFlat, 0}, nranks, {site.op, 0}, spec, {n}},
                        {r, r, {in_ptrs[r]}, {out_ptrs[r]}, [&done](const Status& st) {
                           done.set_value(st);
                         }});

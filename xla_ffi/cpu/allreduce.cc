@@ -51,13 +51,10 @@ ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
     if (then) then();
     promise.SetAvailable();
   };
-  size_t n = 0;
-  for (size_t size : parts) n += size;
   DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
                   site.nranks,
                   {site.op, site.fingerprint},
                   spec,
-                  n,
                   std::move(parts)};
   ArriveDirect(call, {site.rank, site.device, std::move(in), std::move(out), std::move(complete)});
   return future;

@@ -37,16 +37,16 @@ char* Offset(void* p, size_t elems, DType t) { return static_cast<char*>(p) + el
 struct Pending {
   explicit Pending(const DirectCall& c)
       : call(c), ranks(c.nranks), start(Clock::now()), deadline(start + Timeout()) {
-    size_t at = 0;
     for (size_t size : call.parts) {
-      starts.push_back(at);
-      at += size;
+      starts.push_back(n);
+      n += size;
     }
   }
   std::string Describe() const { return DescribeCall(call.sig.op, call.key, call.nranks); }
 
   DirectCall call;
   std::vector<size_t> starts;  // where each part begins in the call's elements
+  size_t n = 0;                // elements per rank, over all parts
   std::vector<std::optional<DirectRank>> ranks;
   int arrived = 0;
   Clock::time_point start, deadline;
@@ -129,7 +129,7 @@ void CompleteAll(std::vector<Done> done, const Status& st, int mine) {
 
 // `mine`: the rank whose handler thread this is, or -1 on a worker.
 void Finish(const Pending& p, int mine) {
-  const size_t n = p.call.n;
+  const size_t n = p.n;
   const int size = p.call.nranks;
   for (int r = 0; r < size; ++r) {
     // Accounted as a ring would send: the other chunks once, its own N-1 times.
@@ -145,7 +145,7 @@ void Finish(const Pending& p, int mine) {
 // elements between this thread and workers; whoever finishes last completes
 // every rank.
 void Reduce(std::shared_ptr<Pending> p, int mine) {
-  const size_t n = p->call.n;
+  const size_t n = p->n;
   if (p->call.nranks == 1) {
     const ReduceSpec& s = p->call.spec;
     for (size_t i = 0; i < p->call.parts.size(); ++i) {

@@ -25,8 +25,7 @@ struct DirectCall {
   int nranks;
   CallSignature sig;
   ReduceSpec spec;
-  size_t n;                   // elements per rank
-  std::vector<size_t> parts;  // elements of each buffer of a rank, n in all
+  std::vector<size_t> parts;  // elements of each buffer of a rank
 };
 
 // One rank's part of a call: a buffer in and out per part of the call,
