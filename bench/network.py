@@ -22,7 +22,9 @@ Workloads:
   so a narrow wire can pass 100% (up to 200% for 2-byte wires); TCP/IP
   headers cap float32 at ~96% with a 1500-byte MTU.
 - ``train``: a wide MLP (~21M parameters by default) trained with each
-  gradient exchange configuration: median step time, one step in flight.
+  gradient exchange configuration: median step time, one step in flight,
+  held-out accuracy after every step, and the time to ``--target-acc``
+  (steps to reach it x median step time).
 - ``check``: a float16/bfloat16-wire allreduce against a float64 NumPy sum.
 
 Needs root (namespaces); says so and exits 2 where they cannot be made.
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, help="MLP hidden width (default 4096)")
     parser.add_argument("--features", type=int, help="MLP input width (default 1024)")
     parser.add_argument("--batch-per-device", type=int, default=32)
+    parser.add_argument(
+        "--target-acc", type=float, default=0.9, help="train: held-out accuracy to time (0.9)"
+    )
     parser.add_argument("--quick", action="store_true", help="a run of a few minutes")
     parser.add_argument("--check-link", action="store_true", help="only measure the links")
     parser.add_argument("--json", help="write result rows to this file")
@@ -136,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [name for name in given.split(",") if name not in known]
         if unknown:
             parser.error(f"{flag}: unknown {unknown}; choose from {','.join(known)}")
+    if not 0 < args.target_acc <= 1:
+        parser.error(f"--target-acc {args.target_acc}: an accuracy in (0, 1]")
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts}: need at least 2")
     if args.devices_per_host is None:
@@ -153,6 +160,7 @@ def worker_argv(args) -> list[str]:
     for flag in ("paths", "wires", "sizes_mib", "repeats", "configs", "steps", "hidden"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     argv += ["--features", str(args.features), "--batch-per-device", str(args.batch_per_device)]
+    argv += ["--target-acc", str(args.target_acc)]
     if args.fail_rank is not None:
         argv += ["--fail-rank", str(args.fail_rank)]
     return argv
@@ -206,11 +214,20 @@ def table(rows: list[dict], workload: str) -> str:
                 lines.append(f"{r['path']:<13}{r['wire']:<10}{size:>9}  {r.get('error')}")
         return "\n".join(lines)
     if workload == "train":
-        lines = [f"{'config':<19}{'step s':>9}{'loss first -> last':>22}"]
+        lines = [
+            f"{'config':<19}{'step s':>9}{'loss first -> last':>22}{'accuracy':>10}"
+            f"{'steps to acc':>14}{'time to acc s':>15}"
+        ]
         for r in rows:
             if "step_s" in r:
                 loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}"
-                lines.append(f"{r['config']:<19}{r['step_s']:>9.3f}{loss:>22}")
+                acc = f"{r['acc_last']:.3f}" if "acc_last" in r else "-"
+                steps, to_acc = r.get("steps_to_acc"), r.get("time_to_acc_s")
+                lines.append(
+                    f"{r['config']:<19}{r['step_s']:>9.3f}{loss:>22}{acc:>10}"
+                    f"{'-' if steps is None else steps:>14}"
+                    f"{'-' if to_acc is None else f'{to_acc:.2f}':>15}"
+                )
             else:
                 lines.append(f"{r['config']:<19}  {r.get('error')}")
         return "\n".join(lines)

@@ -309,6 +309,7 @@ def predict(train_rows, fits) -> list[dict]:
             "params": r["params"],
             "step_s": r["step_s"],
             "predicted_step_s": predicted,
+            "time_to_acc_s": r.get("time_to_acc_s"),  # measured, where the run reached it
             "error": predicted / r["step_s"] - 1,
             "compute_s": compute,
             "compute_from": f"{compute_from} at {at / 1e6:g} Mbit/s",

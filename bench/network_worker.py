@@ -17,7 +17,10 @@ Workloads:
   with a float64 NumPy sum of every device's input; prints the largest error
   against the bound :func:`error_bound` states.
 - ``train``: a wide MLP trained data-parallel with each gradient exchange
-  configuration; the median step time, one step in flight.
+  configuration on a fresh batch each step; the median step time, one step
+  in flight, and the held-out accuracy after every step: how many steps
+  reach ``--target-acc`` and so the time to it (steps x median step time,
+  which leaves out compilation and the evaluations).
 - ``overlap``: does XLA's CPU runtime run a collective and compute that does
   not depend on it at the same time? The median time of a program with only
   a chain of matmuls, one with only a ``lax.psum`` of ``--sizes-mib`` (the
@@ -61,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--batch-per-device", type=int, default=32)
+    parser.add_argument("--target-acc", type=float, default=0.9)
     parser.add_argument("--fail-rank", type=int, default=None)
     return parser.parse_args(argv)
 
@@ -344,9 +348,7 @@ def train_step(tx, inner, communicate=True):
     import jaxcomm
 
     def loss_fn(params, x, y):
-        h = jax.nn.relu(x @ params["w1"] + params["b1"])
-        h = jax.nn.relu(h @ params["w2"] + params["b2"])
-        logits = h @ params["w3"] + params["b3"]
+        logits = mlp_logits(params, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def step(params, opt_state, x, y):
@@ -361,6 +363,38 @@ def train_step(tx, inner, communicate=True):
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
 
     return step
+
+
+HELD_OUT_PER_DEVICE = 256
+
+
+def mlp_logits(params, x):
+    import jax
+
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    h = jax.nn.relu(h @ params["w2"] + params["b2"])
+    return h @ params["w3"] + params["b3"]
+
+
+def held_out_accuracy(params, x, y):
+    """The fraction of held-out samples classified right, over every device's."""
+    import jax
+
+    return jax.lax.pmean((mlp_logits(params, x).argmax(-1) == y).mean(), AXES)
+
+
+def to_accuracy(accs: list[float], target: float, step_s: float) -> dict:
+    """What the held-out accuracies (before training, then after each step)
+    say about reaching ``target``: the steps it took and their time at the
+    median step, or ``None`` for both if it was not reached."""
+    steps = next((i for i, a in enumerate(accs) if a >= target), None)
+    return {
+        "target_acc": target,
+        "acc_first": accs[0],
+        "acc_last": accs[-1],
+        "steps_to_acc": steps,
+        "time_to_acc_s": None if steps is None else steps * step_s,
+    }
 
 
 def run_train(args):
@@ -396,13 +430,20 @@ def run_train(args):
         sharding = NamedSharding(mesh, P(AXES))
         return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
 
+    def draw(rng, n):
+        """n samples: a class, and its centre plus unit normal noise."""
+        labels = rng.integers(classes, size=n).astype(np.int32)
+        inputs = centres[labels] + rng.normal(size=(n, args.features)).astype(np.float32)
+        return sharded(inputs), sharded(labels)
+
     params0 = {k: replicated(v) for k, v in params_np.items()}
-    data_rng = np.random.default_rng(1)
-    batches = []
-    for _ in range(2):
-        labels = data_rng.integers(classes, size=batch).astype(np.int32)
-        inputs = centres[labels] + data_rng.normal(size=(batch, args.features)).astype(np.float32)
-        batches.append((sharded(inputs), sharded(labels)))
+    # Every configuration sees the same batches, and is judged on the same
+    # held-out samples, drawn apart from them.
+    batches = [draw(np.random.default_rng([1, i]), batch) for i in range(args.steps + 1)]
+    held_out = draw(np.random.default_rng(2), HELD_OUT_PER_DEVICE * mesh.size)
+    accuracy = jax.jit(
+        jax.shard_map(held_out_accuracy, mesh=mesh, in_specs=(P(), P(AXES), P(AXES)), out_specs=P())
+    )
 
     for config in args.configs.split(","):
         row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
@@ -434,8 +475,10 @@ def run_train(args):
             )
             params = params0
             times, losses = [], []
+            # compute: each device holds its own params, which no accuracy describes.
+            accs = [] if config == "compute" else [float(accuracy(params, *held_out))]
             for i in range(args.steps + 1):  # the first compiles
-                x, y = batches[i % len(batches)]
+                x, y = batches[i]
                 start = time.perf_counter()
                 # One step in flight: overlapping CPU collectives can abort.
                 # A trace of host 0's last step, to see what ran when (thunks).
@@ -450,9 +493,14 @@ def run_train(args):
                 if i:
                     times.append(time.perf_counter() - start)
                 losses.append(float(loss))
-                progress(f"train {config} step {i}: {time.perf_counter() - start:.3f} s")
+                seconds = time.perf_counter() - start
+                if accs:
+                    accs.append(float(accuracy(params, *held_out)))
+                progress(f"train {config} step {i}: {seconds:.3f} s")
             row["step_s"] = statistics.median(times)
             row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+            if accs:
+                row.update(to_accuracy(accs, args.target_acc, row["step_s"]))
         except Exception as e:  # noqa: BLE001  (a failing configuration is a result)
             row["error"] = describe_error(e)
             progress(f"train {config}: {row['error']}")

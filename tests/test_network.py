@@ -24,6 +24,7 @@ SCRIPT = REPO / "bench" / "network.py"
 sys.path.insert(0, str(REPO / "bench"))
 
 import netbed  # noqa: E402
+import network_worker  # noqa: E402
 
 pytestmark = pytest.mark.network
 
@@ -165,6 +166,48 @@ def test_overlap_workload_times_each_program(tmp_path):
     saved = row["compute_s"] + row["allreduce_s"] - row["both_s"]
     assert row["overlap"] == pytest.approx(saved / min(row["compute_s"], row["allreduce_s"]))
     assert "allreduce s" in done.stdout
+
+
+def test_time_to_accuracy_counts_the_steps_to_the_first_reach():
+    # Held-out accuracy before training, then after each of 4 steps: the
+    # target is first reached after step 2 (a later dip does not undo it).
+    got = network_worker.to_accuracy([0.1, 0.6, 0.92, 0.85, 0.97], 0.9, step_s=2.5)
+    assert got == {
+        "target_acc": 0.9,
+        "acc_first": 0.1,
+        "acc_last": 0.97,
+        "steps_to_acc": 2,
+        "time_to_acc_s": 5.0,
+    }
+    assert network_worker.to_accuracy([0.95], 0.9, step_s=2.5)["time_to_acc_s"] == 0
+    never = network_worker.to_accuracy([0.1, 0.5, 0.89], 0.9, step_s=2.5)
+    assert never["steps_to_acc"] is None and never["time_to_acc_s"] is None
+
+
+@needs_namespaces
+def test_train_workload_reaches_the_target_accuracy(tmp_path):
+    """A small MLP on 2 hosts: dense starts at chance and reaches 90% held-out
+    accuracy within 10 steps; the row's time to it is those steps at the
+    median step time; the run without exchange reports no accuracy."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        _command(
+            "--workload", "train", "--configs", "dense,compute", "--steps", "10",
+            "--json", str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text()) if "step_s" in r}
+    dense = rows["dense"]
+    assert dense["target_acc"] == 0.9
+    assert dense["acc_first"] < 0.5 and dense["acc_last"] >= 0.9
+    assert 0 < dense["steps_to_acc"] <= 10
+    assert dense["time_to_acc_s"] == pytest.approx(dense["steps_to_acc"] * dense["step_s"])
+    assert "acc_last" not in rows["compute"] and "time_to_acc_s" not in rows["compute"]
+    assert "time to acc s" in done.stdout
 
 
 @needs_namespaces

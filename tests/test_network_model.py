@@ -153,15 +153,19 @@ def test_powersgd_step_by_hand():
 def test_command_writes_rows_and_plot(tmp_path, capsys):
     ar, tr = tmp_path / "ar.json", tmp_path / "tr.json"
     ar.write_text(json.dumps(allreduce_rows()))
-    tr.write_text(json.dumps([train_row(FAST, "dense", 0.518), train_row(SLOW, "dense", 1.0)]))
+    # A run that reached the target accuracy, and one that did not.
+    reached = {**train_row(SLOW, "dense", 1.0), "steps_to_acc": 5, "time_to_acc_s": 5.0}
+    unreached = {**train_row(FAST, "dense", 0.518), "steps_to_acc": None, "time_to_acc_s": None}
+    tr.write_text(json.dumps([unreached, reached]))
     out, png = tmp_path / "out.json", tmp_path / "plot.png"
     code = network_model.main(
         ["--allreduce", str(ar), "--train", str(tr), "--json", str(out), "--png", str(png)]
     )
     assert code == 0
     rows = json.loads(out.read_text())
-    keys = {"rate_bps", "hosts", "config", "step_s", "predicted_step_s"}
+    keys = {"rate_bps", "hosts", "config", "step_s", "predicted_step_s", "time_to_acc_s"}
     assert all(keys <= set(r) for r in rows)
+    assert {r["rate_bps"]: r["time_to_acc_s"] for r in rows} == {SLOW: 5.0, FAST: None}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "alpha = 2.000 ms, beta = 100.00 ns/B" in text
