@@ -40,6 +40,16 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--quick", "--timeout", "150", *args]
 
 
+def _run_quick(tmp_path, *args: str):
+    """Runs the quick mode with ``args``; the finished process and its JSON rows."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        _command(*args, "--json", str(out)), capture_output=True, text=True, timeout=200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
 def _pids_running(text: str) -> set[int]:
     pids = set()
     for entry in os.listdir("/proc"):
@@ -103,10 +113,7 @@ def _assert_torn_down(before: dict, timeout: float = 20.0):
 @needs_namespaces
 def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
     before = _snapshot()
-    out = tmp_path / "rows.json"
-    done = subprocess.run(_command("--json", str(out)), capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    done, rows = _run_quick(tmp_path)
     link = [r for r in rows if r.get("config") == "link"]
     # tbf shapes the wire bytes, so the stream never beats the rate; TCP/IP
     # headers take ~4% of a 1500-byte MTU, and on a loaded machine the
@@ -128,18 +135,16 @@ def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
 
 @needs_namespaces
 def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
-    out = tmp_path / "rows.json"
-    done = subprocess.run(
-        _command(
-            "--workload", "check", "--paths", "auto,ring", "--wires", "float32,float16,bfloat16",
-            "--json", str(out),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {(r["path"], r["wire"]): r for r in json.loads(out.read_text()) if "path" in r}
+    _, found = _run_quick(
+        tmp_path,
+        "--workload",
+        "check",
+        "--paths",
+        "auto,ring",
+        "--wires",
+        "float32,float16,bfloat16",
+    )
+    rows = {(r["path"], r["wire"]): r for r in found if "path" in r}
     assert len(rows) == 6
     for key, row in rows.items():
         # Bound: (ranks + 1) half-ulps of the wire dtype times sum_d |x_d|, per
@@ -152,15 +157,8 @@ def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
 
 @needs_namespaces
 def test_overlap_workload_times_each_program(tmp_path):
-    out = tmp_path / "rows.json"
-    done = subprocess.run(
-        _command("--workload", "overlap", "--sizes-mib", "1", "--json", str(out)),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = [r for r in json.loads(out.read_text()) if "both_s" in r]
+    done, found = _run_quick(tmp_path, "--workload", "overlap", "--sizes-mib", "1")
+    (row,) = [r for r in found if "both_s" in r]
     assert row["hosts"] == 2 and row["devices"] == 2 and row["bytes"] == 2**20
     assert min(row["compute_s"], row["allreduce_s"], row["both_s"]) > 0
     saved = row["compute_s"] + row["allreduce_s"] - row["both_s"]
@@ -189,18 +187,10 @@ def test_train_workload_reaches_the_target_accuracy(tmp_path):
     """A small MLP on 2 hosts: dense starts at chance and reaches 90% held-out
     accuracy within 10 steps; the row's time to it is those steps at the
     median step time; the run without exchange reports no accuracy."""
-    out = tmp_path / "rows.json"
-    done = subprocess.run(
-        _command(
-            "--workload", "train", "--configs", "dense,compute", "--steps", "10",
-            "--json", str(out),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["config"]: r for r in json.loads(out.read_text()) if "step_s" in r}
+    done, found = _run_quick(
+        tmp_path, "--workload", "train", "--configs", "dense,compute", "--steps", "10"
+    )
+    rows = {r["config"]: r for r in found if "step_s" in r}
     dense = rows["dense"]
     assert dense["target_acc"] == 0.9
     assert dense["acc_first"] < 0.5 and dense["acc_last"] >= 0.9
