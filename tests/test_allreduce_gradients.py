@@ -535,3 +535,59 @@ def test_check_finite_off_reports_nothing_and_reduces_the_same(mesh):
     assert on[2].stats.nonfinite.all() and not off[2].stats.nonfinite.any()
     for k in SHAPES:
         np.testing.assert_array_equal(on[0][1][k], off[0][1][k])
+
+
+def _layer_step(tx, mesh, width: int):
+    """A step that takes a layer's gradient on each device's rows and
+    exchanges it: a kernel of 8 x width and a 10-element bias on its first
+    10 outputs (as a classifier's), whose gradient sums over the batch."""
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["kernel"])
+        return jnp.sum(h) + jnp.sum(jnp.tanh(h[:, :10] + p["bias"]))
+
+    def step(p, state, x):
+        g = jaxcomm.local_grad(loss, "data")(p, x[0])
+        return tx.update(g, state, p)
+
+    params = {"kernel": jnp.ones((8, width)) / 8, "bias": jnp.zeros((10,))}
+    state = tx.init(params)
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    )
+    return f, params, state, jax.grad(loss)
+
+
+@pytest.mark.parametrize("width", [16, 20000])
+def test_a_bucket_of_a_layers_gradient_is_their_mean(mesh, width):
+    """Kernel and bias in one bucket (the bias a reduction over the batch):
+    the float64 mean of each device's gradient, for a kernel below and
+    above the size at which a part is written into the bucket afterwards."""
+    tx = jaxcomm.allreduce_gradients("data", bucket_bytes=math.inf, backend="xla")
+    f, params, state, grad = _layer_step(tx, mesh, width)
+    x = np.random.default_rng(0).standard_normal((8, 32, 8)).astype(np.float32)
+    mean, _ = f(params, state, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    per_device = [jax.tree.map(np.float64, grad(params, x[d])) for d in range(8)]
+    for k in params:
+        expected = np.mean([g[k] for g in per_device], axis=0)
+        np.testing.assert_allclose(mean[k], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_bucket_is_built_without_a_reduction_in_its_loop(mesh):
+    """XLA's CPU compiler would fuse the bias's batch sum into the loop that
+    builds the bucket (a concatenate) and compute it for every element of
+    the bucket: seconds for a 16M-element bucket. The loop fusions that
+    write a bucket-sized result hold no reduction (an in-place update of the
+    bias's part may: it runs over the part alone)."""
+    tx = jaxcomm.allreduce_gradients("data", bucket_bytes=math.inf, backend="xla")
+    f, params, state, _ = _layer_step(tx, mesh, 20000)
+    rows = jax.ShapeDtypeStruct((8, 32, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    hlo = f.lower(params, state, rows).compile().as_text()
+    bucket = f"f32[{8 * 20000 + 10}]"
+    builders = []
+    for body in re.split(r"\n(?=%\S+ \()", hlo):  # one computation each
+        root = re.search(r"ROOT %\S+ = (\S+) (\S+)\(", body)
+        if root and root[1].startswith(bucket) and root[2] != "dynamic-update-slice":
+            builders.append(body)
+    assert builders, "found no fused computation that builds the bucket"
+    assert not [b.split(" ", 1)[0] for b in builders if re.search(r" reduce\(", b)]
