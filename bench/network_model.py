@@ -284,6 +284,13 @@ def compute_terms(train_rows, fits) -> dict[tuple[int, int, str], tuple[float, i
 def predict(train_rows, fits) -> list[dict]:
     """One row per timed training row: measured, predicted, and how it was predicted."""
     rows = [r for r in train_rows if "step_s" in r and r.get("config") in CONFIG_SETTINGS]
+    fitted = {key[1:] for key in fits}  # (hosts, devices)
+    for group in sorted({(r["hosts"], r["devices"]) for r in rows} - fitted):
+        say(
+            f"no allreduce rows for {group[0]} hosts x {group[1] // group[0]} devices "
+            "(--devices-per-host): their training rows are skipped"
+        )
+    rows = [r for r in rows if (r["hosts"], r["devices"]) in fitted]
     terms = compute_terms(rows, fits)
     out = []
     for r in rows:

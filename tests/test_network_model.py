@@ -170,3 +170,11 @@ def test_command_writes_rows_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "alpha = 2.000 ms, beta = 100.00 ns/B" in text
     assert "1 of 1 predicted rows within 25%" in text  # 1.112 s against 1.0 s
+
+
+def test_rows_of_a_layout_without_allreduce_rows_are_skipped_and_named(capsys):
+    # 2 devices per host (--devices-per-host 2) but allreduce rows only for 1.
+    rows = [train_row(FAST, "dense", 0.518), {**train_row(SLOW, "dense", 1.0), "devices": 8}]
+    got = network_model.predict(rows, network_model.fit_links(allreduce_rows()))
+    assert [(r["rate_bps"], r["devices"]) for r in got] == [(FAST, HOSTS)]
+    assert "no allreduce rows for 4 hosts x 2 devices" in capsys.readouterr().err
