@@ -368,10 +368,15 @@ def plot(rows, fits, path: str):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rates = np.logspace(7.5, 10.3, 57)
-    configs = list(dict.fromkeys(r["config"] for r in rows))
-    for i, config in enumerate(configs):
+    # One series per configuration and layout (devices per host).
+    series = list(dict.fromkeys((r["config"], r["hosts"], r["devices"]) for r in rows))
+    layouts = {s[1:] for s in series}
+    for i, (config, hosts, devices) in enumerate(series):
         color = f"C{i % 10}"
-        mine = [r for r in rows if r["config"] == config]
+        mine = [
+            r for r in rows if (r["config"], r["hosts"], r["devices"]) == (config, hosts, devices)
+        ]
+        label = config if len(layouts) == 1 else f"{config}, {devices // hosts}/host"
         first = mine[0]
         line = [
             step_time(
@@ -383,7 +388,7 @@ def plot(rows, fits, path: str):
             for rate in rates
         ]
         style = ("-", "--", ":", "-.")[i % 4]  # some configurations share a line
-        ax.plot(rates, line, style, color=color, label=config)
+        ax.plot(rates, line, style, color=color, label=label)
         ax.plot([r["rate_bps"] for r in mine], [r["step_s"] for r in mine], "o", color=color)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -404,6 +409,7 @@ def main(argv=None) -> int:
     parser.add_argument("--allreduce", nargs="+", required=True, help="allreduce JSON rows")
     parser.add_argument("--train", nargs="+", required=True, help="training JSON rows")
     parser.add_argument("--png", help="write the plot here")
+    parser.add_argument("--plot-configs", help="plot only these configurations (comma-separated)")
     parser.add_argument("--json", help="write the prediction rows here")
     args = parser.parse_args(argv)
 
@@ -433,7 +439,8 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
         say(f"wrote {args.json}")
     if args.png:
-        plot(rows, fits, args.png)
+        shown = set(args.plot_configs.split(",")) if args.plot_configs else None
+        plot([r for r in rows if shown is None or r["config"] in shown], fits, args.png)
         say(f"wrote {args.png}")
     return 0
 

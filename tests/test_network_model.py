@@ -160,6 +160,7 @@ def test_command_writes_rows_and_plot(tmp_path, capsys):
     out, png = tmp_path / "out.json", tmp_path / "plot.png"
     code = network_model.main(
         ["--allreduce", str(ar), "--train", str(tr), "--json", str(out), "--png", str(png)]
+        + ["--plot-configs", "dense"]
     )
     assert code == 0
     rows = json.loads(out.read_text())
