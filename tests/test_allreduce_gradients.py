@@ -577,8 +577,8 @@ def test_the_bucket_is_built_without_a_reduction_in_its_loop(mesh):
     """XLA's CPU compiler would fuse the bias's batch sum into the loop that
     builds the bucket (a concatenate) and compute it for every element of
     the bucket: seconds for a 16M-element bucket. The loop fusions that
-    write a bucket-sized result hold no reduction (an in-place update of the
-    bias's part may: it runs over the part alone)."""
+    write a bucket-sized result hold no reduction (an in-place update of a
+    part may: it runs over the part alone)."""
     tx = jaxcomm.allreduce_gradients("data", bucket_bytes=math.inf, backend="xla")
     f, params, state, _ = _layer_step(tx, mesh, 20000)
     rows = jax.ShapeDtypeStruct((8, 32, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))
@@ -591,3 +591,33 @@ def test_the_bucket_is_built_without_a_reduction_in_its_loop(mesh):
             builders.append(body)
     assert builders, "found no fused computation that builds the bucket"
     assert not [b.split(" ", 1)[0] for b in builders if re.search(r" reduce\(", b)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradient_through_a_bucket_is_that_through_leaves(mesh, dtype):
+    """Differentiating a function of the exchanged gradient: one bucket
+    (CPU: copied together by a custom call) and one collective per leaf
+    give the same cotangents, the mean's transpose."""
+    weights = {"kernel": np.arange(8 * 300, dtype=np.float32).reshape(8, 300) / 100, "bias": 2.0}
+
+    def through(theta):
+        tx = jaxcomm.allreduce_gradients("data", bucket_bytes=theta, backend="xla")
+
+        def local(g):
+            def f(g):
+                mean, _ = tx.update(g, tx.init(g))
+                return sum(jnp.sum(mean[k].astype(jnp.float32) * weights[k]) for k in mean)
+
+            return jax.grad(f)(jax.tree.map(lambda x: x[0], g))
+
+        run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        rows = {"kernel": jnp.ones((8, 8, 300), dtype), "bias": jnp.ones((8, 10), dtype)}
+        return run(jax.device_put(rows, NamedSharding(mesh, P("data"))))
+
+    fused, unfused = through(math.inf), through(0)
+    for k in ("kernel", "bias"):
+        np.testing.assert_array_equal(np.asarray(fused[k], np.float32), unfused[k])
+        # Each device's rows get the weights / N; bfloat16 rounds them.
+        mine = np.broadcast_to(np.float32(weights[k]) / 8, (8, 300) if k == "kernel" else (10,))
+        expected = np.concatenate([mine] * 8)
+        np.testing.assert_allclose(np.asarray(unfused[k], np.float32), expected, rtol=1e-2)

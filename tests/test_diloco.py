@@ -408,7 +408,10 @@ def _computations(hlo: str):
 
 
 def _communicates(line: str) -> bool:
-    return bool(re.search(r"\ball-reduce(-start)?\(|custom_call_target=\"jaxcomm", line))
+    # jaxcomm_pool and jaxcomm_after are local: they copy or wait, nothing travels.
+    return bool(
+        re.search(r"\ball-reduce(-start)?\(|custom_call_target=\"jaxcomm_(?!pool|after)", line)
+    )
 
 
 def _collectives_outside_branches(comps, name) -> int:
