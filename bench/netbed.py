@@ -102,8 +102,13 @@ def tbf_args(rate_bps: int) -> list[str]:
       >>> tbf_args(10**8)
       ['tbf', 'rate', '100000000bit', 'burst', '98304', 'latency', '20ms']
     """
-    burst = max(TBF_MIN_BURST, rate_bps // 8 // 1000)
+    burst = tbf_burst(rate_bps)
     return ["tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def tbf_burst(rate_bps: int) -> int:
+    """Bytes a shaped link passes at full speed after a pause (see ``tbf_args``)."""
+    return max(TBF_MIN_BURST, rate_bps // 8 // 1000)
 
 
 def missing_tools() -> list[str]:
