@@ -24,7 +24,7 @@ CONSTANT = re.compile(r"= \w+\[([\d,]*)\][^ ]* constant\(")
 LARGEST_CONSTANT = 64  # elements; a chunk table or an element mask is thousands
 
 
-def _compiled_step(backend: str, wire_dtype):
+def _compiled_step(backend: str, wire_dtype, donate=()):
     mesh = mesh_of((N,), ("data",))
     tx = jaxcomm.chunk_sparse(
         optax.sgd(0.05, momentum=0.9),
@@ -46,7 +46,8 @@ def _compiled_step(backend: str, wire_dtype):
         return optax.apply_updates(p, updates), s
 
     run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)),
+        donate_argnums=donate,
     )
     grads = {
         k: jax.ShapeDtypeStruct((N, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
@@ -64,3 +65,17 @@ def test_a_step_compiles_without_large_constants(capfd, backend, wire_dtype):
     assert sizes, "no constants found: the pattern no longer matches XLA's HLO text"
     assert max(sizes) <= LARGEST_CONSTANT, sorted(sizes)[-5:]
     assert "Constant folding" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not jaxcomm.ffi_available("cpu"), reason="jaxcomm's CPU handlers not built")
+def test_a_donated_residual_is_written_in_place():
+    """With the state donated, as a training loop does, the next residual is
+    written into the old one's buffer (jaxcomm_chunk_residual aliases it): no
+    copy of a pool-sized array anywhere in the step, which the handler
+    without the alias needed (its result copied into the donated buffer)."""
+    pool = sum(int(np.prod(s)) for s in SHAPES.values())
+    text = _compiled_step("ffi", None, donate=(1,)).as_text()
+    entry = text[text.index("ENTRY") :]
+    copies = re.findall(r"= f32\[([\d,]*)\][^ ]* copy\(", entry)
+    assert not [c for c in copies if np.prod([int(d) for d in c.split(",")]) == pool], copies
+    assert "jaxcomm_chunk_residual" in entry and "output_to_operand_aliasing" in entry

@@ -283,6 +283,81 @@ def test_pool_names_what_does_not_fit(sizes, dtypes, message):
         )
 
 
+CHUNK = 7
+SENT = np.array([True, False, False, True, False, True])  # 6 chunks; the last has 3 elements
+
+
+def _chunk_pools(dtype):
+    rng = np.random.default_rng(5)
+    n = CHUNK * (SENT.size - 1) + 3
+    return rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+
+
+def _per_chunk(x):
+    return [x[c * CHUNK : (c + 1) * CHUNK] for c in range(SENT.size)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunk_l1_reads_the_exchanged_pool_where_sent_the_local_one_elsewhere(dtype):
+    """jaxcomm_chunk_l1 (chunk_sparse's scores on CPU) against float64 NumPy,
+    a short last chunk included. A NaN where a pool is not to be read
+    (exchanged on an unsent chunk, local on a sent one) changes nothing; in
+    a chunk that is read, it is that chunk's norm."""
+    from jaxcomm.collectives import _ffi
+
+    local, exchanged = _chunk_pools(dtype)
+    want = [
+        np.abs(e.astype(np.float64)).sum() if sent else np.abs(x.astype(np.float64)).sum()
+        for sent, x, e in zip(SENT, _per_chunk(local), _per_chunk(exchanged), strict=True)
+    ]
+    exchanged[CHUNK + 1] = np.nan  # chunk 1: not sent
+    local[2] = np.nan  # chunk 0: sent
+    local[2 * CHUNK] = np.inf  # chunk 2: not sent, read
+    want[2] = np.inf
+    with jax.enable_x64(dtype == np.float64):
+        call = jax.jit(lambda x, e, m: _ffi.chunk_l1(x, e, m, chunk_size=CHUNK))
+        got = np.asarray(call(local, exchanged, SENT))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("skip", [False, True])
+def test_chunk_residual_keeps_the_unsent_chunks_decayed_or_the_old_residual(dtype, skip):
+    """jaxcomm_chunk_residual against NumPy: decay x local (one multiply in the
+    pool's dtype, so bitwise) on the unsent chunks, zeros on the sent ones;
+    the old residual, bitwise, on a skipped step."""
+    from jaxcomm.collectives import _ffi
+
+    local, old = _chunk_pools(dtype)
+    decay = 0.9
+    sent = np.repeat(SENT, CHUNK)[: local.size]
+    want = old if skip else np.where(sent, 0, dtype(decay) * local).astype(dtype)
+    with jax.enable_x64(dtype == np.float64):
+        call = jax.jit(
+            lambda x, m, k, o: _ffi.chunk_residual(x, m, k, o, chunk_size=CHUNK, decay=decay)
+        )
+        got = np.asarray(call(local, SENT, np.bool_(skip), old[None]))
+    assert got.shape == (1, local.size) and got.dtype == dtype
+    np.testing.assert_array_equal(got[0], want)
+
+
+def test_chunk_calls_name_a_mask_that_does_not_fit_the_pool():
+    from jaxcomm.collectives import _ffi
+
+    local, _ = _chunk_pools(np.float32)
+    short = SENT[:-1]
+    with pytest.raises(Exception, match="one flag per 7-element chunk of the 38-element pool"):
+        jax.block_until_ready(
+            jax.jit(lambda x, m: _ffi.chunk_l1(x, x, m, chunk_size=CHUNK))(local, short)
+        )
+    with pytest.raises(Exception, match="jaxcomm_chunk_residual: the mask must hold"):
+        call = jax.jit(
+            lambda x, m: _ffi.chunk_residual(x, m, np.bool_(False), x, chunk_size=CHUNK, decay=0.5)
+        )
+        jax.block_until_ready(call(local, short))
+
+
 # Parts that begin and end inside the 16384-element shares the direct
 # schedule hands its threads, and small and empty ones.
 PART_SHAPES = [(3, 5), (0,), (1,), (64, 65), (17,), (300, 301), (2, 3, 4), (40_000,)]

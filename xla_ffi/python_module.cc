@@ -26,6 +26,8 @@ py::dict Registrations() {
   d["jaxcomm_all_gather"] = Capsule(AllGatherCpu);
   d["jaxcomm_after"] = Capsule(AfterCpu);
   d["jaxcomm_pool"] = Capsule(PoolCpu);
+  d["jaxcomm_chunk_l1"] = Capsule(ChunkL1Cpu);
+  d["jaxcomm_chunk_residual"] = Capsule(ChunkResidualCpu);
   d["jaxcomm_allreduce_parts"] = Capsule(AllReducePartsCpu);
   return d;
 }

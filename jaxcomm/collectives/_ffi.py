@@ -250,15 +250,17 @@ def _coords(place: AxisPlacement):
     return jnp.stack([place.group, place.rank]).astype(jnp.int32)
 
 
-def _result(x, shape, axes):
-    """Result type: like x, but replicated over `axes` (inside shard_map the
-    manual-axis type says so, and it needs the mesh from x's sharding)."""
+def _result(x, shape, axes, dtype=None):
+    """Result type: like x (of `dtype` where given), but replicated over
+    `axes` (inside shard_map the manual-axis type says so, and it needs the
+    mesh from x's sharding)."""
+    dtype = x.dtype if dtype is None else dtype
     mat = reduced_type(x, axes)
     if mat is None or mat.empty:
-        return jax.ShapeDtypeStruct(shape, x.dtype)
+        return jax.ShapeDtypeStruct(shape, dtype)
     mesh = jax.typeof(x).sharding.mesh
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * len(shape)))
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
 
 
 def _reduction_attributes(x, place, algorithm, wire, prescale, postscale, intra_size) -> dict:
@@ -359,6 +361,25 @@ def pool(parts, addend):
     require("cpu")
     call = jax.ffi.ffi_call("jaxcomm_pool", _result(addend, addend.shape, ()))
     return call(addend, *parts)
+
+
+def chunk_l1(local, exchanged, mask, *, chunk_size: int):
+    """The float32 L1 norm of every chunk (CPU): from `exchanged` where `mask`
+    selects the chunk, from `local` elsewhere; reads each element once."""
+    require("cpu")
+    call = jax.ffi.ffi_call("jaxcomm_chunk_l1", _result(local, mask.shape, (), jnp.float32))
+    return call(local, exchanged, mask, chunk_size=np.int64(chunk_size))
+
+
+def chunk_residual(local, mask, skip, old, *, chunk_size: int, decay: float):
+    """`decay * local` on the chunks `mask` leaves out, zeros on the others;
+    `old` as it is where `skip` (CPU); shaped like `old`. Reads only the
+    unselected chunks."""
+    require("cpu")
+    call = jax.ffi.ffi_call(
+        "jaxcomm_chunk_residual", _result(local, old.shape, ()), input_output_aliases={3: 0}
+    )
+    return call(local, mask, skip, old, chunk_size=np.int64(chunk_size), decay=np.float64(decay))
 
 
 def reduce_scatter(x, place: AxisPlacement, *, wire, prescale, postscale):

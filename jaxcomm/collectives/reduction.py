@@ -20,7 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _validate
-from jaxcomm.collectives import _allreduce, _backend, _checks, _ffi, _fp8, _scales, _xla
+from jaxcomm.collectives import (
+    _allreduce,
+    _backend,
+    _checks,
+    _chunks,
+    _ffi,
+    _fp8,
+    _scales,
+    _xla,
+)
 from jaxcomm.collectives._axes import (
     AxisPlacement,
     bound_axes,
@@ -175,7 +184,7 @@ class BoundReduction(NamedTuple):
     @property
     def _cpu_ffi(self) -> bool:
         """Whether jaxcomm's CPU handlers run this reduction, and with them its
-        CPU-only calls (allreduce_parts, after, pool)."""
+        CPU-only calls (allreduce_parts, after, pool, chunk_l1, chunk_residual)."""
         return self.backend == "ffi" and jax.default_backend() == "cpu"
 
     @property
@@ -332,6 +341,34 @@ class BoundReduction(NamedTuple):
         # Bytes in float32: an int32 count overflows at 2 GiB of payload.
         chunks = jnp.where(many, nchunks, max_chunks).astype(jnp.float32)
         return reduced, chunks * (chunk_size * itemsize) + scales
+
+    def chunk_l1(self, local, exchanged, mask):
+        """float32[chunks]: each chunk's L1 norm, of `exchanged` (the
+        result of :meth:`exchange`) where `mask` sent the chunk and of the
+        `local` pool elsewhere. ffi on CPU reads each element once."""
+        return _chunks.l1(
+            local,
+            exchanged,
+            mask,
+            chunk_size=self.reduction.chunk_size,
+            axes=self.reduction.axes,
+            cpu_ffi=self._cpu_ffi,
+        )
+
+    def chunk_residual(self, local, mask, *, decay: float, skip, old):
+        """What stays behind after :meth:`exchange`: `decay * local` on the
+        chunks `mask` did not send, zeros on the others; `old` where `skip`.
+        ffi on CPU reads only the unsent chunks (and `old` only if skipped)."""
+        return _chunks.residual(
+            local,
+            mask,
+            chunk_size=self.reduction.chunk_size,
+            decay=decay,
+            skip=skip,
+            old=old,
+            axes=self.reduction.axes,
+            cpu_ffi=self._cpu_ffi,
+        )
 
     def sum_from_mean(self, y):
         """A mean reduced by this reduction, times N back to the sum: in the

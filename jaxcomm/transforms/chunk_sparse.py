@@ -192,13 +192,10 @@ def chunk_sparse(
         elem_mask = _elements(state.mask, chunk_size, size)
         # Important chunks averaged (the same on every device), zeros elsewhere.
         exchanged, payload = bound.exchange(g, state.mask, max_chunks=_selected(density, nchunks))
-        unsent = jnp.where(elem_mask, jnp.zeros((), g.dtype), g)
-        residual = (residual_decay * unsent).astype(g.dtype)
-
         # Next mask from the summed per-chunk L1 norms (one small collective).
         # An important chunk holds the average on every device: count it once.
-        l1_exchanged, l1_local = _chunk_l1(exchanged, g, nchunks=nchunks, chunk_size=chunk_size)
-        norms = jnp.where(state.mask, l1_exchanged / bound.size, l1_local)
+        l1 = bound.chunk_l1(g, exchanged, state.mask)
+        norms = jnp.where(state.mask, l1 / bound.size, l1)
         norms = norm_sum.bind().allreduce(norms)
         next_density = _density(state.count + 1, density, warmup_steps)
         next_mask = _top_chunks(norms, next_density)
@@ -228,9 +225,12 @@ def chunk_sparse(
             nonfinite=nonfinite,
         )
 
+        residual = bound.chunk_residual(
+            g, state.mask, decay=residual_decay, skip=nonfinite, old=state.residual.value
+        )
         new = ChunkSparseState(
             inner=inner_state,
-            residual=_unless(nonfinite, _state.as_row(residual), state.residual),
+            residual=_state.PerDevice(residual),
             mask=_unless(nonfinite, next_mask, state.mask),
             count=_unless(nonfinite, state.count + 1, state.count),
             stats=stats,
@@ -336,27 +336,6 @@ def _top_chunks(norms, density):
     order = jnp.argsort(-norms, stable=True)
     rank = jnp.zeros((nchunks,), jnp.int32).at[order].set(jnp.arange(nchunks, dtype=jnp.int32))
     return rank < k
-
-
-def _chunk_l1(*pools, nchunks: int, chunk_size: int):
-    """The float32 L1 norm of every chunk of each pool, in one reduction.
-
-    One variadic reduction reads the pools once and writes nothing else:
-    XLA CPU gives a plain sum to a library kernel that first copies its
-    padded input (a whole pool of fresh memory per sum, and 4x the time).
-    """
-
-    def chunks(pool):
-        a = jnp.abs(pool.astype(jnp.float32))
-        return jnp.pad(a, (0, nchunks * chunk_size - a.size)).reshape(nchunks, chunk_size)
-
-    zeros = tuple(jnp.float32(0) for _ in pools)
-    return jax.lax.reduce(
-        tuple(chunks(p) for p in pools),
-        zeros,
-        lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
-        (1,),
-    )
 
 
 def _unless(skipped, new, old):
