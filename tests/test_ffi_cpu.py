@@ -265,11 +265,27 @@ def test_pool_writes_the_parts_in_order_plus_the_addend(dtype):
     np.testing.assert_array_equal(got, np.concatenate(parts) + addend)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pool_without_an_addend_copies_the_parts_in_order(dtype):
+    """jaxcomm_pool with no addend (a bucket on CPU): the concatenation of
+    the parts, bitwise; a NaN travels as it is (no addition of zeros)."""
+    from jaxcomm.collectives import _ffi
+
+    rng = np.random.default_rng(4)
+    parts = [rng.standard_normal(n).astype(dtype) for n in (5, 0, 1, 300, 17)]
+    parts[3][7] = np.nan
+    with jax.enable_x64(dtype == np.float64):
+        got = jax.jit(lambda *p: _ffi.pool(p, like=p[0]))(*parts)
+        got = np.asarray(got)
+    assert got.dtype == dtype and got.shape == (323,)
+    np.testing.assert_array_equal(got, np.concatenate(parts))
+
+
 @pytest.mark.parametrize(
     "sizes,dtypes,message",
     [
-        ((4, 4), (np.float32, np.float32), "fewer elements than the addend"),
-        ((4, 8), (np.float32, np.float32), "more elements than the addend"),
+        ((4, 4), (np.float32, np.float32), "fewer elements than the pool"),
+        ((4, 8), (np.float32, np.float32), "more elements than the pool"),
         ((6, 4), (np.float32, np.float16), "part 1 has another dtype"),
     ],
 )

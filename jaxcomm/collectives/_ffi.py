@@ -353,12 +353,18 @@ def after(x, deps):
     return call(x, *deps)
 
 
-def pool(parts, addend):
+def pool(parts, addend=None, *, like=None):
     """The flat `parts` one after another, plus `addend` (CPU): one pass at
     memory speed, where XLA's CPU code for a concatenate or a buffer updated
     part by part runs several times slower (bench/README.md, overhead.py).
-    The parts have addend's dtype and fill it exactly."""
+    The parts have one float dtype and fill the result exactly. Without an
+    addend they are copied as they are, and the result is typed as `like`
+    (an array of the parts' dtype and type, any shape)."""
     require("cpu")
+    if addend is None:
+        size = sum(int(p.size) for p in parts)
+        call = jax.ffi.ffi_call("jaxcomm_pool", _result(like, (size,), ()))
+        return call(jnp.zeros((0,), like.dtype), *parts)
     call = jax.ffi.ffi_call("jaxcomm_pool", _result(addend, addend.shape, ()))
     return call(addend, *parts)
 

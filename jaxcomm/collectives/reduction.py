@@ -406,7 +406,7 @@ def _concatenate(axes, flat_parts):
     reduction that feeds it (a bias's gradient, summed over the batch) it
     computes that reduction for every element of the bucket: 5.5 s. With
     jaxcomm's CPU handlers, float buckets are copied together by
-    `jaxcomm_pool` instead, and the parts of other dtypes pass through
+    `jaxcomm_pool` instead (without an addend), and the parts of other dtypes pass through
     `after` (which XLA cannot fuse) when they are small.
     """
     if len(flat_parts) < 2 or jax.default_backend() != "cpu" or not _ffi.available("cpu"):
@@ -417,9 +417,9 @@ def _concatenate(axes, flat_parts):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _concatenate_cpu(axes, *flat_parts):
     if flat_parts[0].dtype in (jnp.float32, jnp.float64):
-        zeros = jnp.zeros((sum(p.size for p in flat_parts),), flat_parts[0].dtype)
-        # The call's result is typed as its addend: local, as the parts (as in pool).
-        return _ffi.pool(list(flat_parts), to_varying(zeros, axes))
+        # Typed local over the reduction's axes, as the parts (as in pool).
+        like = to_varying(jnp.zeros((), flat_parts[0].dtype), axes)
+        return _ffi.pool(list(flat_parts), like=like)
     return jnp.concatenate(
         [_ffi.after(p, ()) if 0 < p.size < SMALL_PART else p for p in flat_parts]
     )
