@@ -1,6 +1,8 @@
 """The step simulator against hand-worked schedules."""
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -138,6 +140,13 @@ def test_chunk_sparse_sends_density_and_the_chunk_norms():
         dict(powersgd_rank=2, double_buffering=True),
         dict(powersgd_rank=2, wire_dtype="float8_e4m3fn"),
         dict(min_compression_rate=0.0),
+        dict(sync_every=0),
+        dict(sync_every=4, fragments=0),
+        dict(sync_every=4, fragments=5),
+        dict(fragments=2),
+        dict(sync_every=4, density=0.5),
+        dict(sync_every=4, double_buffering=True),
+        dict(sync_every=4, powersgd_rank=2),
     ],
 )
 def test_bad_settings(kwargs):
@@ -325,3 +334,51 @@ def test_fp8_payload_is_jaxcomms(bucket_bytes):
     settings = Settings(wire_dtype="float8_e4m3fn", bucket_bytes=bucket_bytes)
     r = simulate(_workload(shapes), _net(p=8), settings)
     assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+
+
+# --- DiLoCo ---------------------------------------------------------------------
+
+
+def test_diloco_sends_the_whole_model_once_a_cycle():
+    # TWO: 3 s of compute a step. H = 4: the 8e8 bytes (0.8 s, one bucket)
+    # go after the 4th step's compute, at 12 s: a cycle of 12.8 s, 3.2 s a step.
+    r = simulate(TWO, _net(), Settings(sync_every=4, bucket_bytes=math.inf))
+    assert _starts(r) == [((0, 1), 12.0, 12.8)]
+    assert [c.kind for c in r.collectives] == ["pseudo-gradient"]
+    assert r.iteration_time == pytest.approx(3.2)
+    assert r.communication_time == pytest.approx(0.8 / 4)
+    half = simulate(TWO, _net(), Settings(sync_every=4, wire_dtype="float16"))
+    assert half.iteration_time == pytest.approx((12 + 0.4) / 4)
+
+
+def test_streaming_diloco_sends_each_fragment_at_its_offset():
+    # F = 2 of H = 4: fragment 0 is the first leaf in tree order (B, backward
+    # index 1), due after step 1 ((1 + 1) % 4 == 4 // 2); fragment 1 (A) after
+    # step 3. Steps end at 3, 6 (+0.4 for B), 9.4, 12.4 (+0.4 for A).
+    r = simulate(TWO, _net(), Settings(sync_every=4, fragments=2))
+    assert _starts(r) == [((1,), 6.0, 6.4), ((0,), 12.4, 12.8)]
+    assert r.iteration_time == pytest.approx(12.8 / 4)
+
+
+def test_diloco_buckets_within_a_fragment_pay_a_latency_each():
+    # 0.1 s latency: a 2-rank ring pays 2 per collective. H = 2, one fragment:
+    # per leaf 2 x (0.4 + 0.2) s after 6 s of compute (backward order, as the
+    # fusion plan goes), one bucket 0.8 + 0.2 s.
+    net = _net(latency=0.1)
+    per_leaf = simulate(TWO, net, Settings(sync_every=2, bucket_bytes=0.0))
+    assert _starts(per_leaf) == [((0,), 6.0, 6.6), ((1,), 6.6, 7.2)]
+    assert per_leaf.iteration_time == pytest.approx(7.2 / 2)
+    fused = simulate(TWO, net, Settings(sync_every=2, bucket_bytes=math.inf))
+    assert fused.iteration_time == pytest.approx(7.0 / 2)
+
+
+def test_the_diloco_docs_example_runs_and_prints_what_it_says():
+    """docs/diloco.md's cost example: run as written, with the value its
+    comment gives."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "diloco.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "simulate(" in b]
+    *lines, last = block.strip().splitlines()
+    expr, comment = last.split("  # ")
+    scope = {}
+    exec("\n".join(lines), scope)
+    assert f"{eval(expr, scope):.3f} s" == comment

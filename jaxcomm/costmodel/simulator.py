@@ -50,6 +50,18 @@ Rules:
   folded into compute like the optimizer update: the ``Workload``'s compute
   times must include them (``bench/network_model.py`` measures them with
   the rest of the step's compute).
+* DiLoCo (``sync_every=H``, ``fragments=F``): no step sends gradients.
+  Fragment ``f`` (:func:`jaxcomm.transforms.diloco.plan_fragments` over the
+  tensors in tree order) sends its pseudo-gradient after the compute of
+  every step ``s`` with ``(s + 1) % H`` equal to its offset
+  (:func:`jaxcomm.transforms.diloco.sync_offsets`), in the buckets of
+  ``bucket_bytes`` within the fragment, at the wire's width; nothing runs
+  beside the sync (it is part of its step), so ``overlap`` does not apply.
+  The result is per step, averaged over a cycle of ``H`` steps:
+  ``iteration_time`` is the cycle's time over ``H``, ``communication_time``
+  its collectives' time over ``H``, and ``collectives`` the cycle's, each
+  ready when its step's compute ends. The outer step and the local
+  optimizer's own work are compute, as the update is for the others.
 * The optimizer update and the wire casts are folded into compute; one GPU is
   the same step without communication.
 
@@ -71,6 +83,13 @@ Examples:
   >>> r = simulate(w, c, Settings(powersgd_rank=4))
   >>> [(k.kind, k.nbytes) for k in r.collectives]
   [('gradients', 4000), ('P', 16000), ('Q', 16000)]
+
+  DiLoCo syncing every 10 steps: one allreduce of the whole model (1 s on
+  this link) in 10 steps of 2 s, so 2.1 s a step:
+
+  >>> w = Workload((GradientTensor(250_000_000, 1.0),), forward_time=1.0, batch=32)
+  >>> round(simulate(w, c, Settings(sync_every=10)).iteration_time, 6)
+  2.1
 
   An FP8 wire on the 2-rank link: 1000 one-byte elements in 2 rows of 500,
   an exponent pair with each row both ways, 2 latencies:
@@ -99,6 +118,7 @@ from jaxcomm._validate import (
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
+from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
@@ -189,6 +209,9 @@ class Settings:
       powersgd_rank: ``None`` (no PowerSGD) or the rank of
         :func:`jaxcomm.powersgd`'s factors.
       min_compression_rate: as :func:`jaxcomm.powersgd`'s.
+      sync_every: ``None`` (every step communicates) or DiLoCo's ``H``, as
+        :func:`jaxcomm.diloco`'s.
+      fragments: Streaming DiLoCo's ``F`` (1: DiLoCo), as :func:`jaxcomm.diloco`'s.
     """
 
     wire_dtype: object = "float32"
@@ -200,6 +223,8 @@ class Settings:
     algorithm: str = "ring"
     powersgd_rank: int | None = None
     min_compression_rate: float = 2.0
+    sync_every: int | None = None
+    fragments: int = 1
 
     def __post_init__(self):
         check_bucket_bytes(self.bucket_bytes)
@@ -224,6 +249,22 @@ class Settings:
                     "double_buffering, and takes float16 and bfloat16 wires only"
                 )
 
+        check_positive_integer("fragments", self.fragments)
+        if self.sync_every is not None:
+            check_positive_integer("sync_every", self.sync_every)
+            if self.fragments > self.sync_every:
+                raise ValueError(
+                    f"fragments={self.fragments} must be <= sync_every={self.sync_every}, "
+                    "as jaxcomm.diloco requires"
+                )
+            if self.density < 1 or self.double_buffering or self.powersgd_rank is not None:
+                raise ValueError(
+                    f"sync_every={self.sync_every}: diloco has no density, double_buffering "
+                    "or powersgd_rank"
+                )
+        elif self.fragments != 1:
+            raise ValueError(f"fragments={self.fragments} needs sync_every (DiLoCo's H)")
+
     @property
     def fp8(self) -> bool:
         """An 8-bit float wire (jaxcomm scales it per device and part)."""
@@ -245,8 +286,8 @@ class Collective:
     """One allreduce on the network: which tensors (backward indices), bytes, times.
 
     ``kind``: ``"gradients"``, ``"norms"`` (chunk-sparse), ``"P"`` or ``"Q"``
-    (PowerSGD's factors). ``nbytes`` is the payload as jaxcomm counts it (an
-    FP8 wire's exponents included).
+    (PowerSGD's factors), ``"pseudo-gradient"`` (DiLoCo's sync). ``nbytes``
+    is the payload as jaxcomm counts it (an FP8 wire's exponents included).
     """
 
     tensors: tuple[int, ...]
@@ -262,13 +303,16 @@ class Result:
     """What one simulated step costs.
 
     Attributes:
-      iteration_time: seconds per step (steady state).
+      iteration_time: seconds per step (steady state; DiLoCo's averaged
+        over its cycle of H steps).
       throughput: examples per second over all GPUs.
       speedup: throughput over one GPU's (the same step without communication).
       scaling_efficiency: speedup / number of GPUs.
       compute_time: forward + backward.
-      communication_time: total time of all collectives (busy network).
-      collectives: the schedule of one step, in network order.
+      communication_time: total time of all collectives (busy network;
+        DiLoCo's per step, averaged over its cycle).
+      collectives: the schedule of one step, in network order (DiLoCo's:
+        of one cycle).
     """
 
     iteration_time: float
@@ -282,6 +326,8 @@ class Result:
 
 def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result:
     """Simulates one steady-state training step; see the module docstring for the rules."""
+    if settings.sync_every is not None:
+        return _diloco(workload, cluster, settings)
     forward, compute = workload.forward_time, workload.compute_time
     ready_at = _ready_times(workload, settings.overlap)
     # (ready, tensors, nbytes, seconds on the network, kind)
@@ -315,6 +361,37 @@ def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result
         iteration = max(compute, communication)
     else:
         iteration = max(compute, network_free)
+    return _result(workload, cluster, iteration, communication, collectives)
+
+
+def _diloco(workload: Workload, cluster: Cluster, settings: Settings) -> Result:
+    """One cycle of H steps: compute each, then the fragments due (see simulate)."""
+    steps, compute = settings.sync_every, workload.compute_time
+    tree = workload.tensors[::-1]  # fragments and buckets follow the tree order
+    spans = plan_fragments([t.elements for t in tree], settings.fragments)
+    offsets = sync_offsets(steps, settings.fragments)
+    collectives, clock = [], 0.0
+    for step in range(steps):
+        clock += compute
+        for (first, stop), offset in zip(spans, offsets, strict=True):
+            if (step + 1) % steps != offset:
+                continue
+            sizes = [t.elements * GRADIENT_ITEMSIZE for t in tree[first:stop]]
+            for bucket in plan_buckets(sizes, settings.bucket_bytes):
+                leaves = [first + i for i in bucket]
+                elements = sum(tree[i].elements for i in leaves)
+                nbytes, seconds = _gradient_collective(elements, len(leaves), cluster, settings)
+                backward = tuple(len(tree) - 1 - i for i in leaves)
+                collectives.append(
+                    Collective(backward, nbytes, clock, clock, clock + seconds, "pseudo-gradient")
+                )
+                clock += seconds
+    communication = sum(c.end - c.start for c in collectives) / steps
+    return _result(workload, cluster, clock / steps, communication, collectives)
+
+
+def _result(workload, cluster, iteration, communication, collectives) -> Result:
+    compute = workload.compute_time
     if iteration == 0:  # no compute and nothing to send
         throughput, speedup = math.inf, float(cluster.p)
     else:
