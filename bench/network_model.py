@@ -62,6 +62,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO]
 
+from jaxcomm.collectives import DEFAULT_BUCKET_BYTES  # noqa: E402
 from jaxcomm.costmodel import (  # noqa: E402  (the repository's jaxcomm, not an installed one)
     GradientTensor,
     LinkFit,
@@ -98,6 +99,8 @@ CONFIG_SETTINGS = {
     "fp8": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
     "fp8_ef": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
     "powersgd_r4": Settings(powersgd_rank=4),
+    # jaxcomm's TCP ring: ffi's default 4 MiB buckets, on the same link.
+    "fp16_ffi": Settings(wire_dtype="float16", bucket_bytes=DEFAULT_BUCKET_BYTES),
 }
 # A configuration without its own fastest-link row does the same CPU work as this one.
 COMPUTE_FROM = {"bf16": "fp16", "bf16_ef": "fp16_ef"}
