@@ -29,7 +29,9 @@ def l1(local, exchanged, mask, *, chunk_size: int, axes, cpu_ffi: bool):
 
 def residual(local, mask, *, chunk_size: int, decay: float, skip, old, axes, cpu_ffi: bool):
     """`decay * local` on the chunks `mask` leaves out and zeros on the
-    others, in local's dtype; `old` (local's shape) where `skip` is set."""
+    others, in local's dtype; `old` where `skip` is set. Shaped like `old`
+    (the state's row: local's elements, any shape), whose buffer the CPU
+    call writes in place."""
     if cpu_ffi:
         return _ffi.chunk_residual(
             local,

@@ -357,8 +357,9 @@ class BoundReduction(NamedTuple):
 
     def chunk_residual(self, local, mask, *, decay: float, skip, old):
         """What stays behind after :meth:`exchange`: `decay * local` on the
-        chunks `mask` did not send, zeros on the others; `old` where `skip`.
-        ffi on CPU reads only the unsent chunks (and `old` only if skipped)."""
+        chunks `mask` did not send, zeros on the others; `old` where `skip`;
+        shaped like `old`. ffi on CPU reads only the unsent chunks and
+        writes into `old`'s buffer (a skipped step writes nothing)."""
         return _chunks.residual(
             local,
             mask,
@@ -406,8 +407,8 @@ def _concatenate(axes, flat_parts):
     reduction that feeds it (a bias's gradient, summed over the batch) it
     computes that reduction for every element of the bucket: 5.5 s. With
     jaxcomm's CPU handlers, float buckets are copied together by
-    `jaxcomm_pool` instead (without an addend), and the parts of other dtypes pass through
-    `after` (which XLA cannot fuse) when they are small.
+    `jaxcomm_pool` instead (without an addend), and the parts of other
+    dtypes pass through `after` (which XLA cannot fuse) when they are small.
     """
     if len(flat_parts) < 2 or jax.default_backend() != "cpu" or not _ffi.available("cpu"):
         return jnp.concatenate(flat_parts)
