@@ -6,7 +6,9 @@
 // the others; the local pool (gradient + residual) is only read where it was
 // not sent. XLA's fused code for the same (a reduction over both pools, then
 // a select between the old residual and the new one) reads every element of
-// every operand: five passes over the pool where these calls make two.
+// every operand: five passes over the pool where these calls make about
+// three (the norms one, the residual's read of the unsent chunks and its
+// write of the pool).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
