@@ -449,10 +449,30 @@ def run(args):
             "wall_s": wall,
             "quality": quality,
             "step_s": statistics.median(step_times),
+            **sync_and_local_steps(step_times, sent),
             "bytes_per_step": float(np.mean(sent)),
             "train_loss_last": losses[-1],
         }
     )
+
+
+def sync_and_local_steps(step_times, sent) -> dict:
+    """The median step that sent bytes and the median one that sent none
+    (DiLoCo's sync steps and its local ones), and the mean step; each of the
+    first two None unless the run has both kinds.
+
+    Examples:
+      >>> sync_and_local_steps([0.1, 0.5, 0.2, 0.7], [0, 8, 0, 8])
+      {'sync_step_s': 0.6, 'local_step_s': 0.15000000000000002, 'mean_step_s': 0.375}
+    """
+    syncs = [t for t, b in zip(step_times, sent, strict=True) if b > 0]
+    local = [t for t, b in zip(step_times, sent, strict=True) if b == 0]
+    both = bool(syncs and local)
+    return {
+        "sync_step_s": statistics.median(syncs) if both else None,
+        "local_step_s": statistics.median(local) if both else None,
+        "mean_step_s": statistics.fmean(step_times),
+    }
 
 
 def main(argv=None):

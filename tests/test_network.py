@@ -258,6 +258,19 @@ def test_says_why_and_fails_without_root():
 TTQ_SCRIPT = REPO / "bench" / "time_to_quality.py"
 
 
+def test_sync_and_local_steps_are_split_by_the_bytes_sent():
+    """DiLoCo's sync steps (bytes sent) and local ones (none), each their
+    median; a run of one kind only has neither."""
+    import quality_worker
+
+    got = quality_worker.sync_and_local_steps([0.1, 0.9, 0.3, 0.5, 0.2], [0, 4, 0, 4, 0])
+    assert got["sync_step_s"] == pytest.approx(0.7)
+    assert got["local_step_s"] == pytest.approx(0.2)
+    assert got["mean_step_s"] == pytest.approx(0.4)
+    dense = quality_worker.sync_and_local_steps([0.1, 0.3], [4, 4])
+    assert dense["sync_step_s"] is None and dense["local_step_s"] is None
+
+
 @needs_namespaces
 def test_time_to_quality_table_agrees_with_its_rows(tmp_path):
     """A tiny run (2 hosts, 6 steps of the digits MLP, dense and bf16): the
