@@ -462,8 +462,8 @@ def sync_and_local_steps(step_times, sent) -> dict:
     first two None unless the run has both kinds.
 
     Examples:
-      >>> sync_and_local_steps([0.1, 0.5, 0.2, 0.7], [0, 8, 0, 8])
-      {'sync_step_s': 0.6, 'local_step_s': 0.15000000000000002, 'mean_step_s': 0.375}
+      >>> sync_and_local_steps([0.25, 0.5, 0.75, 1.0], [0, 8, 0, 8])
+      {'sync_step_s': 0.75, 'local_step_s': 0.5, 'mean_step_s': 0.625}
     """
     syncs = [t for t, b in zip(step_times, sent, strict=True) if b > 0]
     local = [t for t, b in zip(step_times, sent, strict=True) if b == 0]
