@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm.collectives import _checks, _ffi, _fp8, _xla
+from jaxcomm.collectives import _checks, _chunks, _ffi, _fp8, _xla
 from jaxcomm.collectives._axes import is_vma_typed
 from jaxcomm.collectives._linear import linear_collective
 
@@ -49,9 +49,8 @@ def allreduce(
         if zero and (backend != "ffi" or place.size == 1):
             # Zeroed before the reduction, so the xla path unpacks into zeros
             # (the custom call zeros them itself, without a pass over x).
-            # A broadcast, not jnp.repeat: that is a scatter and a prefix sum.
-            selected = jnp.broadcast_to(chunk_mask[:, None], (nchunks, chunk_size)).reshape(-1)
-            flat = jnp.where(selected[: flat.size], flat, jnp.zeros((), flat.dtype))
+            selected = _chunks.elements(chunk_mask, chunk_size, flat.size)
+            flat = jnp.where(selected, flat, jnp.zeros((), flat.dtype))
     if place.size == 1:
         # Nothing travels, so nothing is rounded to the wire dtype; every
         # backend and schedule agrees on this.

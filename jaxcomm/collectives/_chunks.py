@@ -16,6 +16,13 @@ from jaxcomm.collectives import _ffi
 from jaxcomm.collectives.varying import to_varying
 
 
+def elements(mask, chunk_size: int, size: int):
+    """Each chunk's flag over its elements, for a pool of `size` elements. A
+    broadcast, which XLA fuses into what reads it; jnp.repeat builds the
+    same with a scatter and a prefix sum over the whole pool."""
+    return jnp.broadcast_to(mask[:, None], (mask.shape[0], chunk_size)).reshape(-1)[:size]
+
+
 def l1(local, exchanged, mask, *, chunk_size: int, axes, cpu_ffi: bool):
     """float32[chunks]: the L1 norm of each chunk of `exchanged` where `mask`
     selects it, of `local` elsewhere (flat pools of one length)."""
@@ -41,7 +48,7 @@ def residual(local, mask, *, chunk_size: int, decay: float, skip, old, axes, cpu
             chunk_size=chunk_size,
             decay=decay,
         )
-    sent = jnp.broadcast_to(mask[:, None], (mask.shape[0], chunk_size)).reshape(-1)[: local.size]
+    sent = elements(mask, chunk_size, local.size)
     new = (decay * jnp.where(sent, jnp.zeros((), local.dtype), local)).astype(local.dtype)
     return jnp.where(skip, old, new.reshape(old.shape))
 

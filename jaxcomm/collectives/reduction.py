@@ -342,6 +342,10 @@ class BoundReduction(NamedTuple):
         chunks = jnp.where(many, nchunks, max_chunks).astype(jnp.float32)
         return reduced, chunks * (chunk_size * itemsize) + scales
 
+    def chunk_elements(self, mask, size: int):
+        """bool[size]: each chunk's flag in `mask` over its elements."""
+        return _chunks.elements(mask, self.reduction.chunk_size, size)
+
     def chunk_l1(self, local, exchanged, mask):
         """float32[chunks]: each chunk's L1 norm, of `exchanged` (the
         result of :meth:`exchange`) where `mask` sent the chunk and of the

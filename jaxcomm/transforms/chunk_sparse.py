@@ -189,7 +189,7 @@ def chunk_sparse(
             return upd, state._replace(inner=inner_state, count=state.count + 1)
 
         g = bound.pool(_pool_parts(leaves, _pool_dtype(leaves)), _state.local(state.residual))
-        elem_mask = _elements(state.mask, chunk_size, size)
+        elem_mask = bound.chunk_elements(state.mask, size)
         # Important chunks averaged (the same on every device), zeros elsewhere.
         exchanged, payload = bound.exchange(g, state.mask, max_chunks=_selected(density, nchunks))
         # Next mask from the summed per-chunk L1 norms (one small collective).
@@ -302,13 +302,6 @@ def _from_pool(pool, leaves):
         out[i] = part if part.dtype == jnp.bool_ else part.astype(jnp.result_type(leaves[i]))
         offset += n
     return out
-
-
-def _elements(mask, chunk_size: int, size: int):
-    """Each chunk's flag over its elements. A broadcast, which XLA fuses into
-    what reads it; jnp.repeat builds the same with a scatter and a prefix sum
-    over the whole pool."""
-    return jnp.broadcast_to(mask[:, None], (mask.shape[0], chunk_size)).reshape(-1)[:size]
 
 
 def _density(step, final: float, warmup: int):
