@@ -91,6 +91,19 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
   return CheckCoords(op, coords);
 }
 
+// A chunk mask: one flag per `chunk_size`-element chunk of `elements`
+// (the last chunk may be shorter). Sets `nchunks`, or says what is wrong.
+inline ffi::Error CheckChunkMask(const std::string& op, size_t elements, int64_t chunk_size,
+                                 size_t mask_entries, int64_t* nchunks) {
+  if (chunk_size <= 0) return Invalid(op, "chunk_size <= 0");
+  *nchunks = (static_cast<int64_t>(elements) + chunk_size - 1) / chunk_size;
+  if (static_cast<int64_t>(mask_entries) != *nchunks) {
+    return Invalid(op, "chunk mask has " + std::to_string(mask_entries) +
+                           " entries but the input has " + std::to_string(*nchunks) + " chunks");
+  }
+  return ffi::Error::Success();
+}
+
 // What an allreduce call must satisfy before any rank communicates. Fills
 // `spec`'s types and scales, `nchunks` (0 without a mask: every element) and
 // `slots`: how many selected chunks are packed, the first `max_chunks` of
@@ -121,13 +134,11 @@ inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   }
   *nchunks = *slots = 0;
   if (mask.element_count() == 0) return ffi::Error::Success();
-  if (chunk_size <= 0) return Invalid(op, "chunk_size <= 0");
-  if (max_chunks < 0) return Invalid(op, "max_chunks < 0");
-  *nchunks = (static_cast<int64_t>(x.element_count()) + chunk_size - 1) / chunk_size;
-  if (static_cast<int64_t>(mask.element_count()) != *nchunks) {
-    return Invalid(op, "chunk mask has " + std::to_string(mask.element_count()) +
-                           " entries but the input has " + std::to_string(*nchunks) + " chunks");
+  if (auto err = CheckChunkMask(op, x.element_count(), chunk_size, mask.element_count(), nchunks);
+      !err.success()) {
+    return err;
   }
+  if (max_chunks < 0) return Invalid(op, "max_chunks < 0");
   *slots = max_chunks == 0 ? *nchunks : std::min(max_chunks, *nchunks);
   return ffi::Error::Success();
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/ffi_contract.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,14 +33,9 @@ struct Chunks {
 
 ffi::Error CheckChunks(const char* op, size_t n, int64_t chunk_size, size_t nchunks,
                        Chunks* chunks) {
-  if (chunk_size <= 0) return ffi::Error::InvalidArgument(std::string(op) + ": chunk_size <= 0");
-  const size_t size = static_cast<size_t>(chunk_size);
-  if (nchunks != (n + size - 1) / size || nchunks == 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": the mask must hold one flag per " +
-                                       std::to_string(size) + "-element chunk of the " +
-                                       std::to_string(n) + "-element pool");
-  }
-  *chunks = {n, size, nchunks};
+  int64_t count = 0;
+  if (auto err = CheckChunkMask(op, n, chunk_size, nchunks, &count); !err.success()) return err;
+  *chunks = {n, static_cast<size_t>(chunk_size), static_cast<size_t>(count)};
   return ffi::Error::Success();
 }
 
@@ -72,7 +68,7 @@ void L1(const Chunks& chunks, const bool* mask, const void* local, const void* e
 
 ffi::Error ChunkL1Impl(ffi::AnyBuffer local, ffi::AnyBuffer exchanged, ffi::Buffer<ffi::PRED> mask,
                        ffi::Result<ffi::Buffer<ffi::F32>> norms, int64_t chunk_size) {
-  constexpr const char* kOp = "jaxcomm_chunk_l1";
+  constexpr const char* kOp = "chunk_l1";
   Chunks chunks;
   if (auto err = CheckChunks(kOp, local.element_count(), chunk_size, mask.element_count(), &chunks);
       !err.success()) {
@@ -81,9 +77,7 @@ ffi::Error ChunkL1Impl(ffi::AnyBuffer local, ffi::AnyBuffer exchanged, ffi::Buff
   if (exchanged.element_type() != local.element_type() ||
       exchanged.element_count() != local.element_count() ||
       norms->element_count() != chunks.count) {
-    return ffi::Error::InvalidArgument(std::string(kOp) +
-                                       ": exchanged must be shaped like local, and the norms "
-                                       "like the mask");
+    return Invalid(kOp, "exchanged must be shaped like local, and the norms like the mask");
   }
   switch (local.element_type()) {
     case ffi::F32:
@@ -95,7 +89,7 @@ ffi::Error ChunkL1Impl(ffi::AnyBuffer local, ffi::AnyBuffer exchanged, ffi::Buff
                  norms->typed_data());
       return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": float32 or float64 only");
+      return Invalid(kOp, "float32 or float64 only");
   }
 }
 
@@ -117,7 +111,7 @@ void Residual(const Chunks& chunks, const bool* mask, const void* local, double 
 ffi::Error ChunkResidualImpl(ffi::AnyBuffer local, ffi::Buffer<ffi::PRED> mask,
                              ffi::Buffer<ffi::PRED> skip, ffi::AnyBuffer old,
                              ffi::Result<ffi::AnyBuffer> out, int64_t chunk_size, double decay) {
-  constexpr const char* kOp = "jaxcomm_chunk_residual";
+  constexpr const char* kOp = "chunk_residual";
   Chunks chunks;
   if (auto err = CheckChunks(kOp, local.element_count(), chunk_size, mask.element_count(), &chunks);
       !err.success()) {
@@ -126,9 +120,7 @@ ffi::Error ChunkResidualImpl(ffi::AnyBuffer local, ffi::Buffer<ffi::PRED> mask,
   if (old.element_type() != local.element_type() || out->element_type() != local.element_type() ||
       old.element_count() != local.element_count() ||
       out->element_count() != local.element_count() || skip.element_count() != 1) {
-    return ffi::Error::InvalidArgument(std::string(kOp) +
-                                       ": old and the result must be shaped like local, and "
-                                       "skip must be one flag");
+    return Invalid(kOp, "old and the result must be shaped like local, and skip must be one flag");
   }
   if (skip.typed_data()[0]) {                         // a skipped step keeps the residual it had
     if (out->untyped_data() != old.untyped_data()) {  // XLA did not alias them after all
@@ -144,7 +136,7 @@ ffi::Error ChunkResidualImpl(ffi::AnyBuffer local, ffi::Buffer<ffi::PRED> mask,
       Residual<double>(chunks, mask.typed_data(), local.untyped_data(), decay, out->untyped_data());
       return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": float32 or float64 only");
+      return Invalid(kOp, "float32 or float64 only");
   }
 }
 
