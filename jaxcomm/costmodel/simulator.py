@@ -118,7 +118,7 @@ from jaxcomm._validate import (
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
-from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
+from jaxcomm.transforms.diloco import check_sync_schedule, plan_fragments, sync_offsets
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
@@ -251,12 +251,7 @@ class Settings:
 
         check_positive_integer("fragments", self.fragments)
         if self.sync_every is not None:
-            check_positive_integer("sync_every", self.sync_every)
-            if self.fragments > self.sync_every:
-                raise ValueError(
-                    f"fragments={self.fragments} must be <= sync_every={self.sync_every}, "
-                    "as jaxcomm.diloco requires"
-                )
+            check_sync_schedule(self.sync_every, self.fragments)
             if self.density < 1 or self.double_buffering or self.powersgd_rank is not None:
                 raise ValueError(
                     f"sync_every={self.sync_every}: diloco has no density, double_buffering "

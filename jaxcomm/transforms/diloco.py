@@ -158,13 +158,7 @@ def diloco(
     """
     _check_optimizer("inner", inner)
     _check_optimizer("outer", outer)
-    sync_every = _validate.check_positive_integer("sync_every", sync_every)
-    fragments = _validate.check_positive_integer("fragments", fragments)
-    if fragments > sync_every:
-        raise ValueError(
-            f"fragments={fragments} must be <= sync_every={sync_every}: each fragment "
-            "syncs at its own step of the cycle"
-        )
+    sync_every, fragments = check_sync_schedule(sync_every, fragments)
     comm = reduction(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
@@ -331,6 +325,30 @@ def plan_fragments(sizes, fragments: int) -> tuple[tuple[int, int], ...]:
         cuts.append(min(candidates, key=lambda i: abs(fragments * int(bounds[i]) - k * total)))
     cuts.append(n)
     return tuple(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def check_sync_schedule(sync_every, fragments) -> tuple[int, int]:
+    """``sync_every`` (H) and ``fragments`` (F) as ints, if 1 <= F <= H.
+
+    Each fragment syncs at its own step of the H-step cycle, so there can be
+    no more fragments than steps. The cost model checks its settings here too.
+
+    Examples:
+      >>> check_sync_schedule(50, 5)
+      (50, 5)
+      >>> check_sync_schedule(2, 3)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: fragments=3 must be <= sync_every=2: each fragment syncs at ...
+    """
+    sync_every = _validate.check_positive_integer("sync_every", sync_every)
+    fragments = _validate.check_positive_integer("fragments", fragments)
+    if fragments > sync_every:
+        raise ValueError(
+            f"fragments={fragments} must be <= sync_every={sync_every}: each fragment "
+            "syncs at its own step of the cycle"
+        )
+    return sync_every, fragments
 
 
 def sync_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
