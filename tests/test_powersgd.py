@@ -242,6 +242,18 @@ CONFIGS = {
     ),
     # rank clamped to min(rows, cols) = 3 for d_small: a lossless projection there.
     "rank4_low_rate": dict(opts=dict(rank=4, min_compression_rate=0.25), opt="adam"),
+    # Two matrices the rule would compress kept dense by a mask: a full tree,
+    # and a callable returning a prefix (one flag for the whole dict).
+    "rank2_mask": dict(
+        opts=dict(rank=2, mask={k: k not in ("b_kernel", "f_wide") for k in SHAPES}),
+        opt="adam",
+        dense=("b_kernel", "f_wide"),
+    ),
+    "rank2_mask_callable": dict(
+        opts=dict(rank=2, mask=lambda tree: {k: k != "c_conv" for k in tree}),
+        opt="sgd",
+        dense=("c_conv",),
+    ),
 }
 
 
@@ -291,6 +303,9 @@ def test_matches_the_reference_step_by_step(mesh, name):
     updates, states, _ = run_as_users_do(tx, _params(), grads, mesh)
 
     mats = compressed_matrices(SHAPES, opts["rank"], opts.get("min_compression_rate", 2.0))
+    for k in CONFIGS[name].get("dense", ()):
+        assert k in mats  # the rule alone would compress it
+        del mats[k]
     options = {
         k: opts[k] for k in ("start_step", "error_feedback", "warm_start", "seed") if k in opts
     }
@@ -532,6 +547,8 @@ BAD = [
     (dict(wire_dtype=jnp.int8), TypeError, "wire_dtype=int8"),
     (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
     (dict(backend="mpi"), ValueError, "backend='mpi'"),
+    (dict(mask={"w": 1}), TypeError, "mask['w']=1 must be True or False"),
+    (dict(mask={"w": [True, "no"]}), TypeError, "mask['w'][1]='no' must be True or False"),
 ]
 
 
@@ -539,6 +556,38 @@ BAD = [
 def test_bad_options_fail_at_construction(options, error, message):
     with pytest.raises(error, match=re.escape(message)):
         jaxcomm.powersgd("data", **options)
+
+
+def test_mask_errors_name_the_leaf_or_the_structure(mesh):
+    """What only the tree can tell: a callable's answer, and a mask that is
+    not the gradients' structure or a prefix of it."""
+    params = {"a": jnp.zeros((8, 8)), "b": {"c": jnp.zeros((8, 8))}}
+    with jax.set_mesh(mesh):
+        tx = jaxcomm.powersgd("data", mask=lambda tree: {"a": True, "b": {"c": 0}})
+        with pytest.raises(TypeError, match=re.escape("mask(...)['b']['c']=0 must be True")):
+            tx.init(params)
+        tx = jaxcomm.powersgd("data", mask={"a": True, "z": False})
+        with pytest.raises(ValueError, match="mask's structure .* is not the gradients'"):
+            tx.init(params)
+        # A prefix is enough: one flag for the whole of "b".
+        state = jaxcomm.powersgd("data", mask={"a": True, "b": False}).init(params)
+        assert [q.shape for q in state.q] == [(8, 1)]
+
+
+def test_docs_mask_example_keeps_the_embeddings_dense(mesh):
+    """docs/powersgd.md's mask example, run as written."""
+    text = (ROOT / "docs" / "powersgd.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "mask=" in b]
+    scope = {"jax": jax, "jaxcomm": jaxcomm, "optax": optax}
+    exec(code, scope)
+    params = {
+        "embed": jnp.zeros((256, 64)),
+        "position": jnp.zeros((64, 64)),
+        "kernel": jnp.zeros((64, 128)),
+    }
+    with jax.set_mesh(mesh):
+        state = scope["tx"].init(params)
+    assert [q.shape for q in _psgd(state).q] == [(128, 4)]  # only the kernel's
 
 
 def test_numpy_scalars_are_valid_options():

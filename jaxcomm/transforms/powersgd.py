@@ -72,6 +72,7 @@ def powersgd(
     error_feedback: bool = True,
     warm_start: bool = True,
     seed: int = 0,
+    mask=None,
     wire_dtype=None,
     algorithm: str = "auto",
     backend: str = "auto",
@@ -118,6 +119,12 @@ def powersgd(
     Before ``start_step`` every leaf is averaged densely in one collective
     per dtype, with no error feedback: the residual stays zero.
 
+    ``mask`` keeps chosen matrices out of compression, as optax's ``mask``
+    arguments choose leaves: those marked False are averaged densely with
+    the small leaves. A tied embedding is the usual case: its gradient (the
+    output layer's, one outer product per token) is far from low rank, and
+    it is a small part of the model.
+
     Args:
       axis_name: mesh or pmap axis name, or a tuple of them, as in
         :func:`jaxcomm.allreduce`.
@@ -129,6 +136,11 @@ def powersgd(
         step's gradient.
       warm_start: start each step's power iteration from the last step's Q.
       seed: the seed of the Q draws, an int >= 0.
+      mask: ``None`` (every leaf may be compressed), or a pytree of bools
+        with the gradients' structure or a prefix of it, or a callable that
+        returns one given the params (at init) or the gradients (at update):
+        True where a leaf may be compressed (the rule above still applies),
+        False where it is averaged densely.
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every
         collective (prescaled as in :func:`jaxcomm.allreduce`); the factors
         are computed in float32 (float64 for float64 gradients) either way.
@@ -175,18 +187,18 @@ def powersgd(
       0.1077
     """
     rank, start_step, min_compression_rate, seed = _check_options(
-        rank, start_step, min_compression_rate, error_feedback, warm_start, seed
+        rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask
     )
     comm = reduction(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
 
-    def matrices(leaves) -> list[_Matrix]:
-        return _matrices(leaves, rank, min_compression_rate)
+    def matrices(tree, leaves) -> list[_Matrix]:
+        return _matrices(leaves, rank, min_compression_rate, _allowed(mask, tree))
 
     def init(params):
         leaves = jax.tree.leaves(params)
-        mats = matrices(leaves)
+        mats = matrices(params, leaves)
         residual = ()
         if error_feedback:
             residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
@@ -199,7 +211,7 @@ def powersgd(
         comm.check_dtypes(leaves)
         bound = comm.bind()
         bound.check_local(updates)
-        mats = matrices(leaves)
+        mats = matrices(updates, leaves)
         dtype = _factor_dtype(leaves, mats)
         residual = _state.local(state.residual) if error_feedback else ()
 
@@ -253,8 +265,9 @@ def powersgd(
     return optax.GradientTransformation(init, update)
 
 
-def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed):
-    """Every option of :func:`powersgd` that ``reduction`` does not check."""
+def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask):
+    """Every option of :func:`powersgd` that ``reduction`` does not check
+    (a callable ``mask`` only once it has a tree to answer for)."""
     rank = _validate.check_positive_integer("rank", rank)
     start_step = _validate.check_count("start_step", start_step)
     if not _validate.is_real(min_compression_rate):
@@ -263,7 +276,37 @@ def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_
     _validate.check_flag("error_feedback", error_feedback)
     _validate.check_flag("warm_start", warm_start)
     seed = _validate.check_count("seed", seed)
+    if mask is not None and not callable(mask):
+        _check_mask_leaves(mask, "mask")
     return rank, start_step, min_compression_rate, seed
+
+
+def _check_mask_leaves(mask, what: str):
+    """Every leaf of `mask` a bool, or a TypeError naming the first that is not."""
+    for path, flag in jax.tree_util.tree_leaves_with_path(mask):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"{what}{jax.tree_util.keystr(path)}={flag!r} must be True or False "
+                "(True: may be compressed)"
+            )
+
+
+def _allowed(mask, tree) -> list[bool] | None:
+    """Per leaf of `tree`, in tree order: may it be compressed? None: all may."""
+    if mask is None:
+        return None
+    if callable(mask):
+        mask = mask(tree)
+        _check_mask_leaves(mask, "mask(...)")
+    try:
+        # A mask leaf covers the whole subtree of `tree` at its place.
+        flags = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask, tree)
+    except ValueError as e:
+        raise ValueError(
+            f"powersgd: mask's structure {jax.tree.structure(mask)} is not the gradients' "
+            f"or a prefix of it ({jax.tree.structure(tree)})"
+        ) from e
+    return [bool(f) for f in jax.tree.leaves(flags)]
 
 
 def _vary_like(new, old):
@@ -280,12 +323,13 @@ def _vary_like(new, old):
     return jax.tree.map(one, new, old)
 
 
-def _matrices(leaves, rank: int, min_compression_rate: float) -> list[_Matrix]:
-    """The leaves worth compressing, in tree order, with their matrix views."""
+def _matrices(leaves, rank: int, min_compression_rate: float, allowed) -> list[_Matrix]:
+    """The leaves worth compressing (and `allowed`, unless None), in tree
+    order, with their matrix views."""
     out = []
     for i, leaf in enumerate(leaves):
         shape = np.shape(leaf)
-        if len(shape) < 2:
+        if len(shape) < 2 or (allowed is not None and not allowed[i]):
             continue
         rows, cols = shape[0], math.prod(shape[1:])
         if (rows + cols) * rank * min_compression_rate <= rows * cols:
