@@ -60,20 +60,74 @@ CONFIGS = {
 # Variants of the PowerSGD and DiLoCo configurations, named by their options
 # (e.g. powersgd_r4_warm50, diloco_h50_olr1.0_om0.8): parse_config reads them.
 VARIANTS = (
-    "powersgd_r{rank}[_noef][_warm{dense steps first}]",
+    "powersgd_r{rank}[_noef][_warm{dense steps first}][_denseemb]",
     "[streaming_]diloco_h{sync every}[_f{fragments}][_olr{outer lr}][_om{outer momentum}]",
 )
-POWERSGD = re.compile(r"powersgd_r(?P<rank>\d+)(?P<noef>_noef)?(?:_warm(?P<warm>\d+))?")
+POWERSGD = re.compile(
+    r"powersgd_r(?P<rank>\d+)(?P<noef>_noef)?(?:_warm(?P<warm>\d+))?(?P<denseemb>_denseemb)?"
+)
 DILOCO = re.compile(
     r"(?:streaming_)?diloco_h(?P<sync_every>\d+)(?:_f(?P<fragments>\d+))?"
     r"(?:_olr(?P<outer_lr>\d+(?:\.\d+)?))?(?:_om(?P<outer_momentum>\d+(?:\.\d+)?))?"
 )
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(peak: float, schedule: str, steps: int):
+    """``peak``, or an optax schedule reaching it (see ``--schedule``).
+
+    Examples:
+      >>> lr = learning_rate(1.0, "cosine", 200)
+      >>> [round(float(lr(t)), 3) for t in (0, 10, 105, 200)]
+      [0.0, 1.0, 0.5, 0.0]
+    """
+    import optax
+
+    if schedule == "constant":
+        return peak
+    return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps, 0.0)
+
+
+def adamw_frozen_variance(learning_rate, freeze_after: int, weight_decay: float = 1e-4):
+    """AdamW whose second moment stops updating after ``freeze_after`` steps
+    (1-bit Adam's idea): from then on the step is linear in the gradient."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update(grads, state, params=None):
+        del params
+        count = state.count + 1
+        live = count <= freeze_after
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+        nu = jax.tree.map(
+            lambda v, g: jnp.where(live, b2 * v + (1 - b2) * g * g, v), state.nu, grads
+        )
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** jnp.minimum(count, freeze_after).astype(jnp.float32)
+        out = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+        return out, optax.ScaleByAdamState(count, mu, nu)
+
+    return optax.chain(
+        optax.GradientTransformation(init, update),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
 class PowerSGDConfig(NamedTuple):
     rank: int
     error_feedback: bool
     start_step: int  # dense steps before compression starts
+    dense_embeddings: bool = False  # lm: embed and position averaged densely
 
 
 class DiLoCoConfig(NamedTuple):
@@ -93,6 +147,7 @@ def parse_config(name: str):
             rank=int(match["rank"]),
             error_feedback=not match["noef"],
             start_step=int(match["warm"] or 0),
+            dense_embeddings=bool(match["denseemb"]),
         )
     if match := DILOCO.fullmatch(name):
         found = {k: v for k, v in match.groupdict().items() if v is not None}
@@ -136,6 +191,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64, help="lm: window length")
     parser.add_argument("--eval-windows", type=int, default=256, help="lm: held-out windows")
     parser.add_argument("--lr", type=float, help="optimizer step (lm: 3e-3 AdamW; digits: 0.05)")
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="the step over the run: constant, or cosine (a linear warm-up over the "
+        "first twentieth, then a cosine decay to 0 at --steps)",
+    )
+    parser.add_argument(
+        "--freeze-variance-after",
+        type=int,
+        default=0,
+        help="lm: AdamW's second moment stops updating after this many steps (0: never)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -196,6 +264,7 @@ def lm_task(args, devices: int) -> Task:
     # One byte more than the context: inputs are [:-1], targets [1:].
     val = data.fixed_windows(corpus.val, args.eval_windows, args.context + 1)
     rng = np.random.default_rng(args.seed + 1)  # the same batches on every host
+    lr = learning_rate(args.lr or 3e-3, args.schedule, args.steps)
 
     def next_batch(step):
         del step
@@ -208,7 +277,11 @@ def lm_task(args, devices: int) -> Task:
         quality=loss,
         held_out=(val,),
         next_batch=next_batch,
-        base_optimizer=optax.adamw(args.lr or 3e-3),
+        base_optimizer=(
+            adamw_frozen_variance(lr, args.freeze_variance_after)
+            if args.freeze_variance_after
+            else optax.adamw(lr)
+        ),
         quality_name="val_loss",
         higher_is_better=False,
     )
@@ -262,7 +335,9 @@ def digits_task(args, devices: int) -> Task:
         quality=accuracy,
         held_out=(x_test, y_test),
         next_batch=next_batch,
-        base_optimizer=optax.sgd(args.lr or 0.05, momentum=0.9),
+        base_optimizer=optax.sgd(
+            learning_rate(args.lr or 0.05, args.schedule, args.steps), momentum=0.9
+        ),
         quality_name="val_accuracy",
         higher_is_better=True,
     )
@@ -296,6 +371,7 @@ def make_optimizer(config: str, base, steps: int):
             rank=options.rank,
             start_step=options.start_step,
             error_feedback=options.error_feedback,
+            mask=not_embeddings if options.dense_embeddings else None,
             backend="xla",
         )
         return optax.chain(reduce, base), False
@@ -310,6 +386,16 @@ def make_optimizer(config: str, base, steps: int):
             backend="xla",
         ), True
     raise ValueError(f"unknown configuration {config!r}")
+
+
+def not_embeddings(params):
+    """powersgd's mask: every leaf but those under the LM's tied ``embed``
+    and its ``position`` table (docs/powersgd.md)."""
+    import jax
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: path[0].key not in ("embed", "position"), params
+    )
 
 
 def scalar(x) -> float:
@@ -338,6 +424,7 @@ def run(args):
         "model": args.model,
         "config": args.config,
         "steps": args.steps,
+        "schedule": args.schedule,
         "hosts": jax.process_count(),
         "devices": n,
         "params": int(param_count),

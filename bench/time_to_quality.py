@@ -63,6 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=192, help="lm: width; digits: hidden width")
     parser.add_argument("--layers", type=int, default=3, help="lm: transformer blocks")
     parser.add_argument("--lr", type=float, help="optimizer step (default: the model's)")
+    parser.add_argument(
+        "--schedule",
+        choices=quality_worker.SCHEDULES,
+        default="constant",
+        help="the step over the run (the worker's --schedule)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tolerance",
@@ -99,7 +105,8 @@ def say(message: str):
 
 def worker_argv(args, config: str) -> list[str]:
     argv = [sys.executable, WORKER, "--model", args.model, "--config", config]
-    for flag in ("steps", "eval_every", "batch_per_device", "width", "layers", "seed", "lr"):
+    flags = ("steps", "eval_every", "batch_per_device", "width", "layers", "seed", "lr", "schedule")
+    for flag in flags:
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]

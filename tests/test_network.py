@@ -335,6 +335,7 @@ def test_quality_worker_reads_configuration_names():
     assert qw.parse_config("powersgd_r1_noef") == qw.PowerSGDConfig(1, False, 0)
     assert qw.parse_config("powersgd_r4_warm50") == qw.PowerSGDConfig(4, True, 50)
     assert qw.parse_config("powersgd_r8_noef_warm20") == qw.PowerSGDConfig(8, False, 20)
+    assert qw.parse_config("powersgd_r4_warm50_denseemb") == qw.PowerSGDConfig(4, True, 50, True)
     assert qw.parse_config("diloco_h10") == qw.DiLoCoConfig(10, 1, 0.7, 0.9)
     assert qw.parse_config("streaming_diloco_h50_f5") == qw.DiLoCoConfig(50, 5, 0.7, 0.9)
     assert qw.parse_config("diloco_h50_olr1.0_om0") == qw.DiLoCoConfig(50, 1, 1.0, 0.0)
@@ -343,6 +344,7 @@ def test_quality_worker_reads_configuration_names():
         assert qw.parse_config(name) == name
     for name in qw.CONFIGS:
         qw.parse_config(name)  # every default configuration is read
-    for bad in ("powersgd_r4_warm", "powersgd", "diloco_h50_olr", "diloco_h50_om0.8_olr1", "x"):
+    for bad in ("powersgd_r4_warm", "powersgd", "powersgd_r4_denseemb_warm50", "diloco_h50_olr",
+                "diloco_h50_om0.8_olr1", "x"):  # fmt: skip
         with pytest.raises(ValueError, match="unknown configuration"):
             qw.parse_config(bad)
