@@ -204,6 +204,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="lm: AdamW's second moment stops updating after this many steps (0: never)",
     )
+    parser.add_argument(
+        "--eval-local",
+        action="store_true",
+        help="diloco: also validate each device's own params the step before each sync "
+        "(their mean goes in the summary row's before_sync)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -472,6 +478,7 @@ def run(args):
         jax.shard_map(evaluate_fn, mesh=mesh, in_specs=(P(), *batch_specs), out_specs=P())
     )
     held_out = tuple(place(v, P(AXIS)) for v in task.held_out)
+    before_sync = local_evaluation(args, task, mesh, specs, place) if is_diloco else None
 
     def next_batch(t):
         return tuple(place(v, P(AXIS)) for v in task.next_batch(t))
@@ -527,6 +534,8 @@ def run(args):
         wall += done - began
         sent.append(scalar(jaxcomm.get_stats(opt_state).bytes_sent))
         losses.append(scalar(loss))
+        if before_sync is not None:
+            before_sync.record(t, opt_state)
         if t % args.eval_every == 0 or t == args.steps:
             quality = report(t)
     emit(
@@ -539,8 +548,51 @@ def run(args):
             **sync_and_local_steps(step_times, sent),
             "bytes_per_step": float(np.mean(sent)),
             "train_loss_last": losses[-1],
+            **({"before_sync": before_sync.rows} if before_sync is not None else {}),
         }
     )
+
+
+class LocalEvaluation:
+    """DiLoCo's devices' own params validated the step before each sync (the
+    mean over devices of each one's quality on all the held-out data), to
+    set against the averaged params' quality the step after."""
+
+    def __init__(self, evaluate, held_out, sync_every: int):
+        self.evaluate, self.held_out, self.sync_every = evaluate, held_out, sync_every
+        self.rows: list[dict] = []
+
+    def record(self, t: int, opt_state):
+        import jax
+
+        if (t + 1) % self.sync_every == 0:
+            quality = scalar(jax.block_until_ready(self.evaluate(opt_state, *self.held_out)))
+            self.rows.append({"step": t, "local_quality": quality})
+
+
+def local_evaluation(args, task, mesh, specs, place):
+    """A ``LocalEvaluation`` when ``--eval-local`` asks for one, else None."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    if not args.eval_local:
+        return None
+    options = parse_config(args.config)
+    if options.fragments != 1:
+        raise ValueError("--eval-local: streaming DiLoCo syncs a fragment at a time")
+
+    def evaluate_fn(opt_state, *held_out):
+        own = task.quality(jaxcomm.local_params(opt_state), *held_out)
+        return jax.lax.pmean(own, AXIS)
+
+    replicated = tuple(P() for _ in task.held_out)
+    evaluate = jax.jit(
+        jax.shard_map(evaluate_fn, mesh=mesh, in_specs=(specs, *replicated), out_specs=P())
+    )
+    held_out = tuple(place(v, P()) for v in task.held_out)
+    return LocalEvaluation(evaluate, held_out, options.sync_every)
 
 
 def sync_and_local_steps(step_times, sent) -> dict:
