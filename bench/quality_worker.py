@@ -90,7 +90,7 @@ def learning_rate(peak: float, schedule: str, steps: int):
     return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps, 0.0)
 
 
-def adamw_frozen_variance(learning_rate, freeze_after: int, weight_decay: float = 1e-4):
+def adamw_frozen_variance(lr, freeze_after: int, weight_decay: float = 1e-4):
     """AdamW whose second moment stops updating after ``freeze_after`` steps
     (1-bit Adam's idea): from then on the step is linear in the gradient."""
     import jax
@@ -119,7 +119,7 @@ def adamw_frozen_variance(learning_rate, freeze_after: int, weight_decay: float 
     return optax.chain(
         optax.GradientTransformation(init, update),
         optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
+        optax.scale_by_learning_rate(lr),
     )
 
 
