@@ -284,11 +284,7 @@ def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_
 def _check_mask_leaves(mask, what: str):
     """Every leaf of `mask` a bool, or a TypeError naming the first that is not."""
     for path, flag in jax.tree_util.tree_leaves_with_path(mask):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(
-                f"{what}{jax.tree_util.keystr(path)}={flag!r} must be True or False "
-                "(True: may be compressed)"
-            )
+        _validate.check_flag(f"{what}{jax.tree_util.keystr(path)}", flag)
 
 
 def _allowed(mask, tree) -> list[bool] | None:
