@@ -77,6 +77,15 @@ def _time(fn, args, reps: int) -> float:
     return statistics.median(samples) / BATCH
 
 
+def _register_kernels() -> None:
+    """jaxcomm registers only its collectives; the kernel handlers timed here
+    come from the CUDA module's testing_registrations()."""
+    from jaxcomm import _ffi_cuda
+
+    for name, capsule in _ffi_cuda.testing_registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
 def _ffi_kernel(name, out, **attrs):
     return jax.jit(lambda *a: jax.ffi.ffi_call(name, out)(*a, **attrs))
 
@@ -94,6 +103,7 @@ def _check(name: str, got, expected, exact: bool = True) -> None:
 
 
 def bench_kernels(size: int, reps: int) -> list[dict]:
+    _register_kernels()
     n = size // 4
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal(n).astype(np.float32)

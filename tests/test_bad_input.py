@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm.collectives import _ffi
+from jaxcomm.collectives import _extension
 from tests.harness import mesh_of, random_grads, run_sharded, run_steps
 
 # What the messages list as allowed.
@@ -534,14 +534,14 @@ def test_transform_bad_input_at_trace(case):
         run_steps(tx, {"w": np.zeros(4, dtype)}, [{"w": np.ones((8, 4), dtype)}], mesh)
 
 
-# backend="ffi" where it cannot run: (description, what _ffi reports, message).
-# _ffi.require() asks _extension() for the compiled module and _register()
+# backend="ffi" where it cannot run: (description, what _extension reports, message).
+# _extension.require() asks cpu_module() for the compiled module and _register()
 # for the platforms with handlers; patching them is what a build without the
 # extension, or without this platform's handlers, looks like.
 FFI_MISSING = [
     (
         "no extension",
-        ("_extension", lambda: None),
+        ("cpu_module", lambda: None),
         r"backend='ffi' needs jaxcomm's compiled extension \(jaxcomm._ffi\), which is not "
         r"installed; .*use backend='xla'",
     ),
@@ -588,7 +588,7 @@ FFI_CALLS = [
 @pytest.mark.parametrize("call", FFI_CALLS, ids=[c[0] for c in FFI_CALLS])
 def test_ffi_backend_missing(monkeypatch, missing, call):
     _, (attribute, replacement), pattern = missing
-    monkeypatch.setattr(_ffi, attribute, replacement)
+    monkeypatch.setattr(_extension, attribute, replacement)
     with pytest.raises(RuntimeError, match=pattern):
         call[1]()
 
@@ -597,7 +597,7 @@ def test_ffi_backend_missing(monkeypatch, missing, call):
 def test_transforms_with_ffi_missing_still_build(monkeypatch, missing):
     """What the first step reports is not raised when they are built."""
     _, (attribute, replacement), _ = missing
-    monkeypatch.setattr(_ffi, attribute, replacement)
+    monkeypatch.setattr(_extension, attribute, replacement)
     assert isinstance(_ar_grads(backend="ffi"), optax.GradientTransformation)
     assert isinstance(_sparse(backend="ffi"), optax.GradientTransformation)
 
@@ -605,8 +605,8 @@ def test_transforms_with_ffi_missing_still_build(monkeypatch, missing):
 def test_ffi_missing_leaves_auto_on_xla(monkeypatch):
     """Without the extension, backend='auto' (even with a chunk mask, where
     it prefers ffi) falls back to xla instead of failing."""
-    monkeypatch.setattr(_ffi, "_extension", lambda: None)
-    monkeypatch.setattr(_ffi, "_register", frozenset)
+    monkeypatch.setattr(_extension, "cpu_module", lambda: None)
+    monkeypatch.setattr(_extension, "_register", frozenset)
     xs = np.arange(16, dtype=np.float32).reshape(2, 8)
     out = run_sharded(
         lambda x: AR(x, "i", chunk_mask=MASK2, chunk_size=4, unselected="zero"),

@@ -11,6 +11,7 @@ where the machine has them.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 
@@ -23,8 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.collectives import _ffi
+from jaxcomm.collectives import _extension, _ffi_calls
 from jaxcomm.collectives._axes import placement
+from jaxcomm.collectives.backends import CudaFfiBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +37,22 @@ FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 def _enough_devices():
     """Overrides conftest's 8-device rule: these tests need one GPU, and the
     CUDA module built (a GPU machine without it is a broken install)."""
-    assert _ffi.available("gpu"), (
+    assert _extension.available("gpu"), (
         "a GPU is present but jaxcomm._ffi_cuda did not load: rebuild with nvcc and "
         "nvidia-nccl-cu13 installed (JAXCOMM_CUDA=1 pip install --no-build-isolation -e .)"
     )
 
 
+@functools.cache
+def _register_kernels():
+    """The kernel handlers on their own (cast, pack/unpack, chunk norms):
+    jaxcomm registers only the collectives, so the tests register these."""
+    for name, capsule in _extension.cuda_module().testing_registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
 def _call(name, out, *args, **attrs):
+    _register_kernels()
     return jax.jit(lambda *a: jax.ffi.ffi_call(name, out)(*a, **attrs))(*args)
 
 
@@ -155,24 +166,29 @@ def _one_gpu(fn, *arrays):
     return jax.tree.map(np.asarray, f(*args))
 
 
-ALGORITHMS = [("ring", 1), ("hierarchical", 1), ("direct", 1)]
+_CUDA = CudaFfiBackend()
 
 
-@pytest.mark.parametrize("algorithm,intra", ALGORITHMS)
+def _allreduce(v, place, **options):
+    """The allreduce handler itself, with the peers and coords the CUDA
+    backend gives it (the public API skips the call on one rank)."""
+    return _ffi_calls.allreduce(v, _CUDA.coords(place), _CUDA.peers(v, place), place, **options)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "direct"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("wire", FLOATS)
-def test_one_rank_allreduce_each_wire_dtype(algorithm, intra, dtype, wire):
+def test_one_rank_allreduce_each_wire_dtype(algorithm, dtype, wire):
     x = _random(4099, dtype, seed=4)
 
     def fn(v):
-        return _ffi.allreduce(
+        return _allreduce(
             v,
             placement("x"),
             algorithm=algorithm,
             wire=np.dtype(wire),
             prescale=0.25,
             postscale=1.0,
-            intra_size=intra,
         )
 
     for _ in range(2):  # the second call reuses the cached communicator
@@ -191,7 +207,7 @@ def test_one_rank_masked_allreduce(algorithm, wire, max_chunks):
     mask = _mask(-(-n // chunk_size), seed=6)
 
     def fn(v, m):
-        return _ffi.allreduce(
+        return _allreduce(
             v,
             placement("x"),
             algorithm=algorithm,
@@ -216,8 +232,11 @@ def test_one_rank_reduce_scatter_and_all_gather(wire):
 
     def fn(v):
         place = placement("x")
-        rs = _ffi.reduce_scatter(v, place, wire=np.dtype(wire), prescale=2.0, postscale=1.0)
-        ag = _ffi.all_gather(v, place, wire=np.dtype(wire))
+        coords, w = _CUDA.coords(place), np.dtype(wire)
+        rs = _ffi_calls.reduce_scatter(
+            v, coords, _CUDA.peers(v, place), place, wire=w, prescale=2.0, postscale=1.0
+        )
+        ag = _ffi_calls.all_gather(v, coords, _CUDA.peers(v, place), place, wire=w)
         return rs, ag.reshape(-1)
 
     rs, ag = _one_gpu(fn, x)
@@ -229,7 +248,7 @@ def test_one_rank_reduce_scatter_and_all_gather(wire):
 def _peers(op_id):
     """What a raw call names its peers by: its one-device group where the
     handlers run on XLA's communicators, else a call-site id."""
-    if _ffi.cuda_module().uses_xla_communicators:
+    if _extension.cuda_module().uses_xla_communicators:
         return {"groups": np.zeros(1, np.int64)}
     return {"op_id": np.int64(op_id)}
 
@@ -241,8 +260,9 @@ def test_handlers_use_xla_communicators_where_jaxlib_lends_them():
     # tools/gpu_check.sh also runs these tests on a build forced onto
     # jaxcomm's own communicators, and says so.
     forced_own = os.environ.get("JAXCOMM_TEST_OWN_COMMS") == "1"
-    cuda = _ffi.cuda_module()
+    cuda = _extension.cuda_module()
     assert cuda.uses_xla_communicators == (header.exists() and not forced_own)
+    assert not set(cuda.testing_registrations()) & set(cuda.registrations())
     stages = cuda.registrations()["jaxcomm_allreduce"]
     if cuda.uses_xla_communicators:
         assert sorted(stages) == ["execute", "prepare"]
@@ -423,14 +443,13 @@ def test_training_step_through_the_handler_matches_xla(algorithm, wire):
 
     def handler_mean(g):
         place = placement("data")
-        flat = _ffi.allreduce(
+        flat = _allreduce(
             g.reshape(-1),
             place,
             algorithm=algorithm,
             wire=np.dtype(wire or g.dtype),
             prescale=1.0,
             postscale=1.0 / place.size,
-            intra_size=1,
         )
         return flat.reshape(g.shape)
 

@@ -249,6 +249,27 @@ def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension
     _run_collective_program(tmp_path_factory, "xla_comms_test", XLA_COMMS_SOURCES, xla_comms=1)
 
 
+def test_cuda_module_registers_the_collectives_and_keeps_the_kernels_for_tests():
+    """jaxcomm registers registrations(): the collectives only. The kernel
+    handlers, which no jaxcomm call issues, come from testing_registrations()
+    for the tests and bench/kernels.py. Importing the module starts no CUDA."""
+    if importlib.util.find_spec("jaxcomm._ffi_cuda") is None:
+        pytest.skip("jaxcomm._ffi_cuda is not built")
+    from jaxcomm import _ffi_cuda
+
+    assert set(_ffi_cuda.registrations()) == {
+        "jaxcomm_allreduce",
+        "jaxcomm_reduce_scatter",
+        "jaxcomm_all_gather",
+    }
+    assert set(_ffi_cuda.testing_registrations()) == {
+        "jaxcomm_cast",
+        "jaxcomm_pack_chunks",
+        "jaxcomm_unpack_chunks",
+        "jaxcomm_chunk_norms",
+    }
+
+
 @pytest.mark.parametrize("module", ["_ffi", "_ffi_testing", "_ffi_cuda"])
 def test_extension_module_exports_only_its_init(module):
     spec = importlib.util.find_spec(f"jaxcomm.{module}")

@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import _axes, _ffi
+from jaxcomm.collectives import _axes, _peers
 from jaxcomm.distributed import collective_sequence
 
 
@@ -32,7 +32,7 @@ def _groups_in_shard_map(mesh, spec, axes):
     seen = []
 
     def body(x):
-        seen.append(_ffi.device_groups(x, _axes.placement(axes)))
+        seen.append(_peers.device_groups(x, _axes.placement(axes)))
         return lax.psum(x, axes)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -75,7 +75,7 @@ def test_groups_under_pmap_are_replica_groups():
     seen = []
 
     def body(x):
-        seen.append(_ffi.device_groups(x, _axes.placement("i")))
+        seen.append(_peers.device_groups(x, _axes.placement("i")))
         return lax.psum(x, "i")
 
     n = jax.local_device_count()

@@ -253,13 +253,13 @@ def test_pool_writes_the_parts_in_order_plus_the_addend(dtype):
     """jaxcomm_pool (chunk_sparse's gradient pool on CPU) against NumPy: one
     IEEE addition per element, so equal bitwise. Parts of odd sizes, an empty
     one among them."""
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     rng = np.random.default_rng(3)
     parts = [rng.standard_normal(n).astype(dtype) for n in (5, 0, 1, 300, 17)]
     addend = rng.standard_normal(323).astype(dtype)
     with jax.enable_x64(dtype == np.float64):
-        got = jax.jit(lambda a, *p: _ffi.pool(p, a))(addend, *parts)
+        got = jax.jit(lambda a, *p: _ffi_calls.pool(p, a))(addend, *parts)
         got = np.asarray(got)
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, np.concatenate(parts) + addend)
@@ -269,13 +269,13 @@ def test_pool_writes_the_parts_in_order_plus_the_addend(dtype):
 def test_pool_without_an_addend_copies_the_parts_in_order(dtype):
     """jaxcomm_pool with no addend (a bucket on CPU): the concatenation of
     the parts, bitwise; a NaN travels as it is (no addition of zeros)."""
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     rng = np.random.default_rng(4)
     parts = [rng.standard_normal(n).astype(dtype) for n in (5, 0, 1, 300, 17)]
     parts[3][7] = np.nan
     with jax.enable_x64(dtype == np.float64):
-        got = jax.jit(lambda *p: _ffi.pool(p, like=p[0]))(*parts)
+        got = jax.jit(lambda *p: _ffi_calls.pool(p, like=p[0]))(*parts)
         got = np.asarray(got)
     assert got.dtype == dtype and got.shape == (323,)
     np.testing.assert_array_equal(got, np.concatenate(parts))
@@ -290,12 +290,12 @@ def test_pool_without_an_addend_copies_the_parts_in_order(dtype):
     ],
 )
 def test_pool_names_what_does_not_fit(sizes, dtypes, message):
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     parts = [np.ones(n, d) for n, d in zip(sizes, dtypes, strict=True)]
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(
-            jax.jit(lambda a, *p: _ffi.pool(p, a))(np.ones(10, np.float32), *parts)
+            jax.jit(lambda a, *p: _ffi_calls.pool(p, a))(np.ones(10, np.float32), *parts)
         )
 
 
@@ -319,7 +319,7 @@ def test_chunk_l1_reads_the_exchanged_pool_where_sent_the_local_one_elsewhere(dt
     a short last chunk included. A NaN where a pool is not to be read
     (exchanged on an unsent chunk, local on a sent one) changes nothing; in
     a chunk that is read, it is that chunk's norm."""
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     local, exchanged = _chunk_pools(dtype)
     want = [
@@ -331,7 +331,7 @@ def test_chunk_l1_reads_the_exchanged_pool_where_sent_the_local_one_elsewhere(dt
     local[2 * CHUNK] = np.inf  # chunk 2: not sent, read
     want[2] = np.inf
     with jax.enable_x64(dtype == np.float64):
-        call = jax.jit(lambda x, e, m: _ffi.chunk_l1(x, e, m, chunk_size=CHUNK))
+        call = jax.jit(lambda x, e, m: _ffi_calls.chunk_l1(x, e, m, chunk_size=CHUNK))
         got = np.asarray(call(local, exchanged, SENT))
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -343,7 +343,7 @@ def test_chunk_residual_keeps_the_unsent_chunks_decayed_or_the_old_residual(dtyp
     """jaxcomm_chunk_residual against NumPy: decay x local (one multiply in the
     pool's dtype, so bitwise) on the unsent chunks, zeros on the sent ones;
     the old residual, bitwise, on a skipped step."""
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     local, old = _chunk_pools(dtype)
     decay = 0.9
@@ -351,7 +351,7 @@ def test_chunk_residual_keeps_the_unsent_chunks_decayed_or_the_old_residual(dtyp
     want = old if skip else np.where(sent, 0, dtype(decay) * local).astype(dtype)
     with jax.enable_x64(dtype == np.float64):
         call = jax.jit(
-            lambda x, m, k, o: _ffi.chunk_residual(x, m, k, o, chunk_size=CHUNK, decay=decay)
+            lambda x, m, k, o: _ffi_calls.chunk_residual(x, m, k, o, chunk_size=CHUNK, decay=decay)
         )
         got = np.asarray(call(local, SENT, np.bool_(skip), old[None]))
     assert got.shape == (1, local.size) and got.dtype == dtype
@@ -359,18 +359,20 @@ def test_chunk_residual_keeps_the_unsent_chunks_decayed_or_the_old_residual(dtyp
 
 
 def test_chunk_calls_name_a_mask_that_does_not_fit_the_pool():
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _ffi_calls
 
     local, _ = _chunk_pools(np.float32)
     short = SENT[:-1]
     wrong = "chunk mask has 5 entries but the input has 6 chunks"
     with pytest.raises(Exception, match=f"jaxcomm chunk_l1: {wrong}"):
         jax.block_until_ready(
-            jax.jit(lambda x, m: _ffi.chunk_l1(x, x, m, chunk_size=CHUNK))(local, short)
+            jax.jit(lambda x, m: _ffi_calls.chunk_l1(x, x, m, chunk_size=CHUNK))(local, short)
         )
     with pytest.raises(Exception, match=f"jaxcomm chunk_residual: {wrong}"):
         call = jax.jit(
-            lambda x, m: _ffi.chunk_residual(x, m, np.bool_(False), x, chunk_size=CHUNK, decay=0.5)
+            lambda x, m: _ffi_calls.chunk_residual(
+                x, m, np.bool_(False), x, chunk_size=CHUNK, decay=0.5
+            )
         )
         jax.block_until_ready(call(local, short))
 
@@ -482,9 +484,9 @@ def test_allreduce_parts_differentiates_like_the_concatenated_allreduce():
 
 def _raw_parts_call(parts, results):
     """jaxcomm_allreduce_parts called directly, one rank (no shard_map)."""
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _extension
 
-    _ffi.require("cpu")
+    _extension.require("cpu")
     call = jax.ffi.ffi_call("jaxcomm_allreduce_parts", results)
     return call(
         np.array([0, 0], np.int32),

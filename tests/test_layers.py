@@ -89,3 +89,158 @@ def test_no_private_imports_across_layers(top):
     for path in files:
         found += private_crossings(path.read_text(), *_module_of(path))
     assert not found, "private names imported across layers:\n" + "\n".join(found)
+
+
+# Private JAX lives in one module, so that a JAX release that moves a name
+# breaks one file: every other module reaches it through that one.
+JAX_COMPAT = "jaxcomm._jax_compat"
+PRIVATE_JAX = ("jax._src", "jax.interpreters", "jaxlib")
+
+
+def private_jax_uses(source: str, module: str, package: bool = False) -> list[str]:
+    """Imports of private JAX (``jax._src``, ``jax.interpreters``, ``jaxlib``,
+    a private name of ``jax.extend``) and reads of ``jax._src`` /
+    ``jax.interpreters`` as attributes, anywhere in ``source``."""
+    found = []
+    for line, name in imported_names(source, module, package):
+        private = any(name == p or name.startswith(p + ".") for p in PRIVATE_JAX)
+        extend = name.startswith("jax.extend.") and any(
+            part.startswith("_") for part in name.split(".")[2:]
+        )
+        if private or extend:
+            found.append(f"{module}:{line} imports {name}")
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "jax"
+            and node.attr in ("_src", "interpreters")
+        ):
+            found.append(f"{module}:{node.lineno} reads jax.{node.attr}")
+    return found
+
+
+def test_checker_finds_private_jax():
+    """The checker itself: each way of reaching private JAX is caught."""
+    bad = [
+        "from jax._src import core",
+        "import jax._src.mesh",
+        "def f():\n    from jax._src.distributed import global_state",
+        "import jaxlib",
+        "from jaxlib import _jax",
+        "import jaxlib.xla_client as xc",
+        "from jax import _src",
+        "from jax.interpreters import mlir",
+        "import jax.interpreters.pxla",
+        "from jax.extend import _private",
+        "from jax.extend.backend import _private",
+        "import jax\njax._src.core.get_axis_env()",
+        "def version():\n    import jaxlib\n    return jaxlib.__version__",
+    ]
+    for source in bad:
+        assert private_jax_uses(source, "jaxcomm.collectives._ffi"), source
+    ok = [
+        "import jax",
+        "from jax import lax, numpy as jnp",
+        "from jax.extend import backend",
+        "from jax.sharding import get_abstract_mesh",
+        "from jaxcomm import _jax_compat",
+        "import jaxcomm._jax_compat",
+        "jax.lax.psum(x, 'i')",
+    ]
+    for source in ok:
+        assert not private_jax_uses(source, "jaxcomm.collectives._ffi"), source
+
+
+@pytest.mark.parametrize("top", CHECKED)
+def test_private_jax_only_in_compat_module(top):
+    files = sorted((ROOT / top).rglob("*.py"))
+    assert files, f"no Python files under {top}/"
+    found = []
+    for path in files:
+        module, package = _module_of(path)
+        if module != JAX_COMPAT:
+            found += private_jax_uses(path.read_text(), module, package)
+    assert not found, (
+        f"private JAX outside {JAX_COMPAT} (add a function there instead):\n" + "\n".join(found)
+    )
+
+
+def test_compat_module_imports_no_jax_at_import():
+    """Its imports are made when a function is called, as they were where
+    they came from: importing it must not load JAX's internals."""
+    path = ROOT / "jaxcomm" / "_jax_compat.py"
+    top_level = ast.parse(path.read_text()).body
+    names = [
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in top_level
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    assert names and not [n for n in names if n.split(".")[0] in ("jax", "jaxlib")], names
+
+
+# Which implementation runs where is decided by the backend classes
+# (jaxcomm/collectives/backends/) alone: nothing else asks for the platform or
+# compares a backend's name. The extension registry says which platforms have
+# handlers; the agreement check records the platform and never branches on it.
+PLATFORM_DECIDERS = (
+    "jaxcomm.collectives.backends",
+    "jaxcomm.collectives._extension",
+    "jaxcomm.distributed.agreement",
+)
+PLATFORM_NAMES = {"xla", "ffi", "cpu", "gpu", "cuda", "rocm", "tpu"}
+
+
+def platform_branches(source: str, module: str) -> list[str]:
+    """Comparisons against a backend or platform name, and asks of the
+    platform (``jax.default_backend()``, ``jax.devices("gpu")``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = [
+                s.value for s in sides if isinstance(s, ast.Constant) and s.value in PLATFORM_NAMES
+            ]
+            if names:
+                found.append(f"{module}:{node.lineno} compares with {names[0]!r}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            asks = f.attr == "default_backend" or (f.attr == "devices" and node.args)
+            if asks and isinstance(f.value, ast.Name) and f.value.id == "jax":
+                found.append(f"{module}:{node.lineno} asks jax.{f.attr}()")
+    return found
+
+
+def test_checker_finds_platform_branches():
+    bad = [
+        'if jax.default_backend() == "cpu":\n    pass',
+        "on_gpu = jax.default_backend()",
+        'use_ffi = backend == "ffi"',
+        'if bound.backend.name != "xla":\n    pass',
+        'gpus = jax.devices("gpu")',
+        'x = 1 if "gpu" in platforms else 2',
+    ]
+    for source in bad:
+        assert platform_branches(source, "m"), source
+    ok = [
+        "bound.backend.allreduce(bound, flat)",
+        "if bound.backend.sends_only_selected:\n    pass",
+        'if algorithm == "hierarchical":\n    pass',
+        "jax.devices()",
+    ]
+    for source in ok:
+        assert not platform_branches(source, "m"), source
+
+
+def test_only_backends_decide_the_platform():
+    found = []
+    for path in sorted((ROOT / "jaxcomm").rglob("*.py")):
+        module, _ = _module_of(path)
+        if any(module == d or module.startswith(d + ".") for d in PLATFORM_DECIDERS):
+            continue
+        found += platform_branches(path.read_text(), module)
+    assert not found, (
+        "platform or backend branches outside jaxcomm/collectives/backends/ (add an "
+        "operation or an attribute to the Backend classes instead):\n" + "\n".join(found)
+    )

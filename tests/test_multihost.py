@@ -849,7 +849,7 @@ def test_a_host_name_that_resolves_to_loopback_here_binds_everywhere(monkeypatch
 SHARE_NCCL_IDS = """
     import json, secrets
     import jaxcomm.distributed as distributed
-    from jaxcomm.collectives import _ffi
+    from jaxcomm.collectives import _extension, _peers
 
     distributed.initialize()
     registered = []
@@ -861,9 +861,9 @@ SHARE_NCCL_IDS = """
         def register_unique_id(self, op_id, group, raw):
             registered.append([op_id, group, raw.hex()])
 
-    _ffi._cuda_extension = Nccl
-    _ffi._share_nccl_ids(7, 2)
-    _ffi._share_nccl_ids(8, 1)
+    _extension.cuda_runnable = Nccl
+    _peers.share_nccl_ids(7, 2)
+    _peers.share_nccl_ids(8, 1)
     print("registered", json.dumps(registered), flush=True)
 """
 

@@ -291,14 +291,14 @@ def test_one_device_mesh_with_replicated_out_specs():
 
 
 def test_backend_ffi_on_gpu_warns_that_it_is_unverified(monkeypatch):
-    from jaxcomm.collectives import _backend, _ffi
+    from jaxcomm.collectives import Wire, _extension, backends
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(_ffi, "require", lambda platform=None: None)  # no CUDA module here
-    _backend._warn_gpu_unverified.cache_clear()
+    monkeypatch.setattr(_extension, "require", lambda platform=None: None)  # no CUDA module here
+    backends._warn_gpu_unverified.cache_clear()
     with pytest.warns(UserWarning, match="across GPUs or processes has never run"):
-        assert _backend.resolve_backend("ffi") == "ffi"
-    _backend._warn_gpu_unverified.cache_clear()
+        assert backends.resolve("ffi", wire=Wire()).name == "ffi"
+    backends._warn_gpu_unverified.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -313,15 +313,16 @@ def test_hierarchical_xla_across_cpu_processes_warns_on_older_jaxlib(
 
     import jaxlib
 
-    from jaxcomm.collectives import _backend
+    from jaxcomm.collectives import Wire
+    from jaxcomm.collectives.backends import xla
 
     monkeypatch.setattr(jaxlib, "__version__", version)
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     monkeypatch.setattr(jax, "process_count", lambda: processes)
-    _backend._warn_hierarchical_wrong_results.cache_clear()
+    xla._warn_hierarchical_wrong_results.cache_clear()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = _backend.resolve_algorithm("hierarchical", "xla", ("node", "local"))
-    _backend._warn_hierarchical_wrong_results.cache_clear()
+        got = xla.XlaBackend().algorithm("hierarchical", ("node", "local"), Wire())
+    xla._warn_hierarchical_wrong_results.cache_clear()
     assert got == "hierarchical"
     assert any("sometimes" in str(w.message) for w in seen) == warns

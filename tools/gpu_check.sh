@@ -73,6 +73,8 @@ print("jaxcomm from", os.path.dirname(jaxcomm.__file__))
 print("CUDA module", _ffi_cuda.__file__, "NCCL", _ffi_cuda.nccl_version())
 print("ffi gpu:", jaxcomm.ffi_available("gpu"))
 print("on XLA's NCCL communicators:", _ffi_cuda.uses_xla_communicators)
+# jaxcomm registers the collectives; the kernels alone are for tests and bench/kernels.py.
+print("handlers:", sorted(_ffi_cuda.registrations()), "tests' kernels:", sorted(_ffi_cuda.testing_registrations()))
 assert os.path.realpath(jaxcomm.__file__).startswith(root + os.sep), "jaxcomm is not this checkout"
 assert jaxcomm.ffi_available("gpu"), "the CUDA handlers are not registered"
 EOF

@@ -25,5 +25,5 @@ if __name__ == "__main__":
 
     jaxcomm._ffi = module
     jaxcomm._ffi_testing = testing
-    assert jaxcomm.collectives._ffi._extension() is module
+    assert jaxcomm.collectives._extension.cpu_module() is module
     sys.exit(pytest.main(sys.argv[1:]))

@@ -1,8 +1,10 @@
-// jaxcomm._ffi: the handler capsules XLA needs and the counters Python reads.
+// jaxcomm._ffi: the handler capsules XLA needs, the integer codes their
+// attributes take, and the counters Python reads.
 // The tests' thread harness is a separate module (testing_module.cc).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "common/python_codes.h"
 #include "cpu/direct.h"
 #include "cpu/handlers.h"
 #include "cpu/rendezvous.h"
@@ -39,6 +41,7 @@ PYBIND11_MODULE(_ffi, m) {
   using namespace jaxcomm::cpu;
   m.doc() = "jaxcomm's XLA FFI handlers and their counters.";
   m.def("registrations", &Registrations, "Handler name -> PyCapsule, for platform 'cpu'.");
+  jaxcomm::DefineCodes(m);
   m.def(
       "stats",
       [] {

@@ -1,10 +1,12 @@
-"""One front end per collective; backends in _xla.py (JAX) and _ffi.py (xla_ffi/).
+"""One front end per collective; one class per backend in backends/.
 
 :func:`reduction` is the seam for code built on the collectives (the
 transforms): an allreduce described and checked once, bound at trace time.
+:class:`Backend` is what a backend implements, :class:`ChunkLayout` how a pool
+is cut into chunks, :class:`Wire` what travels.
 """
 
-from jaxcomm.collectives._ffi import available as ffi_available
+from jaxcomm.collectives._extension import available as ffi_available
 from jaxcomm.collectives._runtime import (
     ffi_stats,
     get_ffi_timeout,
@@ -13,6 +15,8 @@ from jaxcomm.collectives._runtime import (
 )
 from jaxcomm.collectives.all_gather import all_gather
 from jaxcomm.collectives.allreduce import allreduce
+from jaxcomm.collectives.backends import Backend, XlaBackend
+from jaxcomm.collectives.chunk_layout import ChunkLayout
 from jaxcomm.collectives.reduce_scatter import reduce_scatter
 from jaxcomm.collectives.reduction import (
     DEFAULT_BUCKET_BYTES,
@@ -22,11 +26,14 @@ from jaxcomm.collectives.reduction import (
     reduction,
 )
 from jaxcomm.collectives.varying import to_varying
+from jaxcomm.collectives.wire import Wire
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_CHUNK_SIZE",
+    "Backend",
     "BoundReduction",
+    "ChunkLayout",
     "Reduction",
     "all_gather",
     "allreduce",
@@ -38,4 +45,6 @@ __all__ = [
     "reset_ffi_stats",
     "set_ffi_timeout",
     "to_varying",
+    "Wire",
+    "XlaBackend",
 ]

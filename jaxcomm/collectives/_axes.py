@@ -14,7 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as _core  # bound axis names; no public API gives them
+
+from jaxcomm import _jax_compat
 
 
 class AxisPlacement(NamedTuple):
@@ -23,6 +24,7 @@ class AxisPlacement(NamedTuple):
     size: int  # devices on them all (N)
     rank: jax.Array  # int32, this device's linear index over `axes`
     group: jax.Array  # int32, linear index over the other bound axes
+    others: tuple = ()  # the other bound axes (a sharded model's "fsdp"), in binding order
 
 
 def normalize(axis_name) -> tuple:
@@ -36,8 +38,7 @@ def normalize(axis_name) -> tuple:
 
 def bound_axes() -> dict:
     """{name: size} of the mesh / pmap axes bound at this point of the trace."""
-    env = _core.get_axis_env()
-    return dict(env.axis_sizes)
+    return _jax_compat.bound_axis_sizes()
 
 
 def sizes(axes: tuple) -> tuple:
@@ -58,7 +59,7 @@ def placement(axis_name) -> AxisPlacement:
     rank = lax.axis_index(axes).astype(jnp.int32)
     others = tuple(a for a in bound_axes() if a not in axes)
     group = lax.axis_index(others).astype(jnp.int32) if others else jnp.int32(0)
-    return AxisPlacement(axes, shape, size, rank, group)
+    return AxisPlacement(axes, shape, size, rank, group, others)
 
 
 def reduced_type(x, axes: tuple):

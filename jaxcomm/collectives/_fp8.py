@@ -54,31 +54,6 @@ ALGORITHM = "alltoall"  # the resolved schedule of an FP8 wire
 _EXPONENT = jnp.int16  # a scale travels as its exponent: 2 bytes
 
 
-def is_fp8(wire) -> bool:
-    """`wire` is a checked dtype or None (the input's)."""
-    return wire is not None and np.dtype(wire) in WIRES
-
-
-def check_options(wire, algorithm: str, backend: str) -> None:
-    """An FP8 wire runs only this module's schedule: on the xla backend, with
-    algorithm 'auto' (the ring and lax.psum would round or add partial sums
-    in 8 bits)."""
-    if not is_fp8(wire):
-        return
-    if backend == "ffi":
-        raise ValueError(
-            f"wire_dtype={wire.name} runs on backend='xla' only (an all-to-all and an "
-            "all-gather that add in float32); the ffi handlers take float16 and bfloat16 "
-            "wires. Use backend='xla' or 'auto'"
-        )
-    if algorithm != "auto":
-        raise ValueError(
-            f"wire_dtype={wire.name} has one schedule (an all-to-all and an all-gather that "
-            f"add in float32, algorithm='auto'); algorithm={algorithm!r} would round or add "
-            "partial sums in 8 bits"
-        )
-
-
 def scale_bytes(size: int, parts: int = 1) -> int:
     """What the exponents add to the payload of a bucket of `parts` parts,
     counted as payload is (bytes_sent = 2(N-1)/N x payload): each device

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from jaxcomm import _validate
-from jaxcomm.collectives import _ffi
+from jaxcomm.collectives import _extension
 
 
 def _ext():
-    ext = _ffi._extension()
+    ext = _extension.cpu_module()
     if ext is None:
         raise RuntimeError("jaxcomm's compiled extension (jaxcomm._ffi) is not installed")
     return ext
@@ -26,7 +26,7 @@ def set_ffi_timeout(seconds: float) -> None:
     """
     seconds = _validate.check_positive("seconds", seconds)
     _ext().set_timeout(seconds)
-    cuda = _ffi.cuda_module()
+    cuda = _extension.cuda_module()
     if cuda is not None:
         cuda.set_timeout(seconds)
 

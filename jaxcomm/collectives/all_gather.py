@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomm.collectives import _ffi, _prepare, _xla
+from jaxcomm.collectives import _prepare
 
 
 def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
@@ -33,9 +33,6 @@ def all_gather(x, axis_name, *, wire_dtype=None, backend: str = "auto"):
       >>> jax.jit(f)(x).shape == (n, 1)
       True
     """
-    c = _prepare.prepare(x, axis_name, op="sum", wire_dtype=wire_dtype, backend=backend)
-    if c.backend == "xla":
-        out = _xla.all_gather(c.flat, c.place, c.wire)
-    else:
-        out = _ffi.all_gather(c.flat, c.place, wire=c.wire)
-    return out.reshape((c.place.size, *jnp.shape(x)))
+    flat, bound = _prepare.prepare(x, axis_name, op="sum", wire_dtype=wire_dtype, backend=backend)
+    out = bound.backend.all_gather(bound, flat)
+    return out.reshape((bound.size, *jnp.shape(x)))

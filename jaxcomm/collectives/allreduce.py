@@ -24,77 +24,39 @@ def allreduce(
 ):
     """Sums (or averages) ``x`` over the devices of ``axis_name``.
 
-    Call it inside ``jax.shard_map`` or ``jax.pmap``. Every device gets
-    bitwise the same result, in ``x``'s dtype and shape.
+    Call it inside ``jax.shard_map`` or ``jax.pmap``. With N devices, every
+    device gets ``y = sum_j x_j`` (``op="mean"``: ``y / N``), bitwise the same, in
+    ``x``'s dtype and shape. A 16-bit ``wire_dtype`` sends the ``x_j`` in 16 bits,
+    added in float32 by jaxcomm's own schedules (by ``lax.psum`` in 16 bits);
+    an 8-bit one scales each device's ``x_j`` by a power of two, adds in float32
+    and errs per element by at most ``(2u + u^2) * A`` for any N (A the largest
+    finite ``|x|``, u = 2^-4 for e4m3, 2^-3 for e5m2; N times that for a sum).
+    See docs/design.md, "Mean, sum and the narrow wire" and "8-bit wires".
 
     Args:
       x: array of float32, float16, bfloat16 or float64 (x64 on); any shape.
-      axis_name: a mesh or pmap axis name, or a tuple of names (reduce over
-        all of them). ``algorithm="hierarchical"`` takes
-        ``(inter_axis, intra_axis)``.
-      op: ``"sum"`` or ``"mean"``.
-      algorithm: ``"ring"`` (reduce-scatter then allgather, N-1 steps each),
-        ``"hierarchical"`` (reduce-scatter inside ``intra_axis``, allreduce of
-        the 1/L shard across ``inter_axis``, allgather inside ``intra_axis``),
-        ``"direct"`` (ffi on CPU: each rank reads its peers' memory), or
-        ``"auto"`` (ffi: ``"direct"``; xla: ``lax.psum``, except with a
-        16-bit wire across processes on CPU, where it is ``"ring"``: gloo adds
-        float16 slowly and XLA widens a bfloat16 psum to float32; with an
-        8-bit wire, the all-to-all schedule described under ``wire_dtype``).
-      wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16``,
-        ``jnp.bfloat16``, or an 8-bit float (below). 16-bit values travel
-        in the wire dtype and are added in float32 (float64 for float64
-        input) at every hop. For ``op="mean"`` the input is scaled by 1/N
-        before the cast, so float16 cannot overflow for large N, and
-        jaxcomm's own schedules clamp each partial sum to the float16 range.
-        Exception: the xla backend's ``lax.psum`` paths (``algorithm="auto"``
-        or ``"hierarchical"``) also add in the wire dtype, so their error
-        grows with N; there a float16 mean is prescaled by 2^-k (2^k the
-        least power of two >= 2N) and 2^k/N is applied after the reduction,
-        which leaves no order of float16 additions room to overflow for
-        N <= 1024 (see ``_xla.headroom_scales``); as exact as 1/N apart from
-        one to two bits less subnormal range. A plain sum is not prescaled: if it
-        exceeds the float16 range it comes back inf.
-
-        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or their names): one
-        byte an element. Each device scales its input by its own power of
-        two 2^e, the largest with max|x| * 2^e <= M (448 or 57344), rounds
-        to 8 bits (clamped; the scale is the exponent, 2 bytes, sent along);
-        an all-to-all gives each device its 1/N of every device's bytes,
-        which it decodes and adds in float32, and an all-gather of the
-        reduced rows (rescaled the same way) gives the result. Nothing is
-        added in 8 bits and no collective is spent on the scales. Per
-        element, ``|result - exact mean| <= (2u + u^2) * A`` for any N, A
-        the largest finite |x| over all devices, u = 2^-4 (e4m3) or 2^-3
-        (e5m2): 0.129 A or 0.266 A; N times that for a sum (float32's own
-        rounding aside; A >= 2^-100). Elements far below A keep what 8 bits
-        give them at A's scale. The xla backend and ``algorithm="auto"``
-        only (the schedule is resolved as ``"alltoall"``; with a
-        ``chunk_mask``, ``backend="auto"`` takes xla); ffi and the other
-        algorithms raise ValueError. inf and NaN inputs come back non-finite
-        (float8_e4m3fn has no inf: NaN).
-      backend: ``"xla"`` (JAX collectives; any platform, many processes),
-        ``"ffi"`` (jaxcomm's custom calls), or ``"auto"``: xla, except in one
-        process on CPU (handler present) with a ``chunk_mask``, where ffi
-        sends only the selected chunks, or a 16-bit wire, where ffi adds in
-        float32 and XLA's CPU all-reduce in float16, several times slower.
-      chunk_mask: optional boolean array of shape ``(ceil(x.size /
-        chunk_size),)``, identical on every device. Only selected chunks of
-        the flattened ``x`` are reduced; the others come back as the local
-        values. With ffi on CPU only the selected chunks travel.
+      axis_name: a mesh or pmap axis name, or a tuple of names (reduce over all
+        of them); ``(inter_axis, intra_axis)`` for ``algorithm="hierarchical"``.
+      op: ``"sum"`` (default) or ``"mean"``.
+      algorithm: ``"ring"``, ``"hierarchical"``, ``"direct"`` (ffi on CPU) or
+        ``"auto"``: ffi ``"direct"``; xla ``lax.psum``, the ring for a 16-bit wire
+        across CPU processes, ``"alltoall"`` for an 8-bit wire (docs/design.md).
+      wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16``, ``jnp.bfloat16``,
+        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or their names; 8-bit: xla
+        backend and ``algorithm="auto"`` only, else ValueError). A 16-bit mean is
+        prescaled so float16 cannot overflow; a sum is not (float16: inf past 65504).
+      backend: ``"xla"`` (JAX collectives; any platform, many processes), ``"ffi"``
+        (jaxcomm's custom calls) or ``"auto"``: xla, but ffi in one CPU process
+        for a ``chunk_mask`` or a 16-bit wire (docs/design.md, "Two backends").
+      chunk_mask: optional bool array, one per ``chunk_size`` elements of the
+        flattened ``x``, the same on every device: only selected chunks are reduced.
       chunk_size: elements per chunk for ``chunk_mask``.
-      max_chunks: with a mask, pack at most this many selected chunks (a
-        static bound, so only they travel); chunks selected beyond the bound
-        are not reduced. ``None``: the xla backend reduces all chunks and
-        selects afterwards, ffi on CPU packs exactly the selected ones, ffi
-        on GPU packs into a buffer of all chunks (the mask stays on the
-        device, and NCCL takes its sizes from the host).
-      in_place: let the result reuse ``x``'s buffer: a hint for the CPU
-        ffi ``"direct"`` schedule without a mask, ignored elsewhere. It
-        saves writing fresh output pages when ``x`` is an intermediate, as a
-        gradient in a training step is; if ``x`` is still needed (a jit
-        argument, or used later) XLA copies it first, which costs more than
-        it saves. ``x`` itself never changes either way.
+      max_chunks: with a mask, a static bound on the selected chunks packed and
+        reduced; ``None``: see docs/design.md, "Chunk-sparse communication".
+      unselected: what unselected chunks hold: ``"local"`` (default) the input,
+        ``"zero"`` zeros (the result is then the same on every device).
+      in_place: let the result reuse ``x``'s buffer, a hint for ffi ``"direct"`` on
+        CPU without a mask (docs/design.md, "The CPU transport").
 
     Returns:
       The reduced array, same shape and dtype as ``x``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxcomm.collectives import _ffi, _prepare, _xla
+from jaxcomm.collectives import _prepare
 
 
 def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: str = "auto"):
@@ -37,9 +37,5 @@ def reduce_scatter(x, axis_name, *, op: str = "sum", wire_dtype=None, backend: s
       >>> bool((jax.jit(f)(x) == n).all())
       True
     """
-    c = _prepare.prepare(x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend)
-    if c.backend == "xla":
-        return _xla.reduce_scatter(c.flat, c.place, c.wire, c.prescale, c.postscale)
-    return _ffi.reduce_scatter(
-        c.flat, c.place, wire=c.wire, prescale=c.prescale, postscale=c.postscale
-    )
+    flat, bound = _prepare.prepare(x, axis_name, op=op, wire_dtype=wire_dtype, backend=backend)
+    return bound.backend.reduce_scatter(bound, flat)

@@ -5,54 +5,32 @@ a :class:`Reduction` with :func:`reduction` when they are built (no JAX
 backend starts: jax.distributed.initialize may come later) and call
 :meth:`Reduction.bind` inside ``shard_map`` / ``pmap`` at trace time, where
 the axis sizes, the backend and the schedule are known. The
-:class:`BoundReduction` then reduces buckets, exchanges masked chunks, and
-says what its wire costs and drops.
+:class:`BoundReduction` keeps the semantics (scales, bytes, what the wire
+drops) and hands every operation to its backend (backends/).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm import _validate
-from jaxcomm.collectives import (
-    _allreduce,
-    _backend,
-    _checks,
-    _chunks,
-    _ffi,
-    _fp8,
-    _scales,
-    _xla,
-)
-from jaxcomm.collectives._axes import (
-    AxisPlacement,
-    bound_axes,
-    is_vma_typed,
-    normalize,
-    placement,
-)
-from jaxcomm.collectives.varying import to_varying
+from jaxcomm.collectives import _allreduce, _checks, _fp8, _xla, backends
+from jaxcomm.collectives._axes import AxisPlacement, bound_axes, is_vma_typed, normalize, placement
+from jaxcomm.collectives.backends import DEFAULT_BUCKET_BYTES, Backend
+from jaxcomm.collectives.chunk_layout import DEFAULT_CHUNK_SIZE, ChunkLayout, check_chunk_size
+from jaxcomm.collectives.wire import Wire
 
-DEFAULT_CHUNK_SIZE = 32768  # GradientFlow's chunk: 32K elements
-# Bucket parts below this many elements are computed into buffers of their
-# own before XLA's concatenate reads them (see _concatenate).
-SMALL_PART = 1 << 16
-
-# The ffi default, 4 MiB: big enough that per-collective latency is a small
-# part of a bucket's time on Ethernet-class networks (alpha ~ 10-50 us, 4 MiB
-# ~ 3 ms at 10 Gbps), small enough that ResNet-50's 100 MB of gradients make
-# ~25 buckets, so the first ones can travel while backward still runs. The
-# xla backend defaults to one collective per leaf: XLA's all-reduce combiner
-# fuses those without copying, where our buckets cost a concatenate and a
-# split (bench/overhead.py: 1.03x a per-leaf pmean unfused, 1.78x in 4 MiB
-# buckets, ResNet-50 shapes on 8 CPU devices).
-DEFAULT_BUCKET_BYTES = 4 * 2**20
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_CHUNK_SIZE",
+    "BoundReduction",
+    "Reduction",
+    "reduction",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +40,10 @@ class Reduction:
     Attributes:
       axes: the reduced axis names, outermost first.
       op: ``"sum"`` or ``"mean"``.
-      wire_dtype: the dtype that travels, or ``None`` for the input's.
+      wire: what travels (:class:`jaxcomm.collectives.Wire`).
       algorithm: as given (``"auto"`` is resolved by :meth:`bind`).
-      backend: as given (``"auto"`` is resolved by :meth:`bind`).
+      backend: as given: a name (``"auto"`` is resolved by :meth:`bind`) or
+        a :class:`jaxcomm.collectives.Backend`.
       masked: chunk masks will be exchanged, so ``backend="auto"`` prefers
         ffi, the backend that sends only the selected chunks.
       chunk_size: elements per chunk of a mask.
@@ -72,24 +51,33 @@ class Reduction:
 
     axes: tuple
     op: str
-    wire_dtype: np.dtype | None
+    wire: Wire
     algorithm: str
-    backend: str
+    backend: str | Backend
     masked: bool
     chunk_size: int
 
     @property
+    def wire_dtype(self) -> np.dtype | None:
+        """The dtype that travels, or ``None`` for the input's."""
+        return self.wire.dtype
+
+    @property
     def narrow(self) -> bool:
         """A 16- or 8-bit wire: it rounds float32 values (what error feedback keeps)."""
-        return _scales.is_narrow(self.wire_dtype)
+        return self.wire.narrow
 
     @property
     def fp8(self) -> bool:
         """An 8-bit float wire, scaled per device and part (see _fp8.py)."""
-        return _fp8.is_fp8(self.wire_dtype)
+        return self.wire.fp8
 
     def with_op(self, op: str) -> Reduction:
         return dataclasses.replace(self, op=op)
+
+    def layout(self, size: int) -> ChunkLayout:
+        """How a pool of `size` elements is cut into this reduction's chunks."""
+        return ChunkLayout(int(size), self.chunk_size)
 
     def check_dtypes(self, tree, argument: str = "gradient") -> None:
         """Raises TypeError naming (by its path) the first leaf of `tree` of a
@@ -110,13 +98,9 @@ class Reduction:
           NameError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
-        backend = _backend.resolve_backend(
-            self.backend, masked=self.masked, narrow=self.narrow, fp8=self.fp8
-        )
+        backend = backends.resolve(self.backend, masked=self.masked, wire=self.wire)
         place = placement(self.axes)
-        algorithm = _backend.resolve_algorithm(
-            self.algorithm, backend, self.axes, narrow=self.narrow, fp8=self.fp8
-        )
+        algorithm = backend.algorithm(self.algorithm, self.axes, self.wire)
         return BoundReduction(self, place, backend, algorithm)
 
 
@@ -126,7 +110,7 @@ def reduction(
     op: str = "sum",
     wire_dtype=None,
     algorithm: str = "auto",
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     masked: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Reduction:
@@ -152,15 +136,11 @@ def reduction(
       ValueError: op='max' is not supported; use one of ('sum', 'mean')
     """
     axes = normalize(axis_name)
-    wire = _checks.check_wire_dtype(wire_dtype)
-    known = _backend.known_backend(
-        backend, masked=masked, narrow=_scales.is_narrow(wire), fp8=_fp8.is_fp8(wire)
-    )
+    wire = Wire.of(wire_dtype)
     _checks.check_choice("op", op, _checks.OPS)
-    _backend.check_algorithm(algorithm, known, axes)
-    _fp8.check_options(wire, algorithm, known)
+    backends.check(backend, algorithm, axes, wire, masked=masked)
     if masked:
-        chunk_size = _validate.check_positive_integer("chunk_size", chunk_size)
+        chunk_size = check_chunk_size(chunk_size)
     return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size)
 
 
@@ -170,7 +150,8 @@ class BoundReduction(NamedTuple):
     Attributes:
       reduction: what was asked for.
       place: this device's place on the reduced axes.
-      backend: ``"xla"`` or ``"ffi"``.
+      backend: the :class:`jaxcomm.collectives.Backend` that runs it
+        (``backend.name``: ``"xla"`` or ``"ffi"``).
       algorithm: the schedule: ``"psum"`` (XLA's own), ``"ring"``,
         ``"hierarchical"``, ``"direct"``, or ``"alltoall"`` (an FP8 wire's:
         all-to-all, float32 adds, all-gather; see _fp8.py).
@@ -178,14 +159,8 @@ class BoundReduction(NamedTuple):
 
     reduction: Reduction
     place: AxisPlacement
-    backend: str
+    backend: Backend
     algorithm: str
-
-    @property
-    def _cpu_ffi(self) -> bool:
-        """Whether jaxcomm's CPU handlers run this reduction, and with them its
-        CPU-only calls (allreduce_parts, after, pool, chunk_l1, chunk_residual)."""
-        return self.backend == "ffi" and jax.default_backend() == "cpu"
 
     @property
     def size(self) -> int:
@@ -222,16 +197,16 @@ class BoundReduction(NamedTuple):
 
     @property
     def default_bucket_bytes(self) -> float:
-        """The fusion threshold when none is given: one collective per leaf
-        on xla, whose all-reduce combiner fuses without copies;
-        ``DEFAULT_BUCKET_BYTES`` on ffi."""
-        return 0 if self.backend == "xla" else DEFAULT_BUCKET_BYTES
+        """The fusion threshold when none is given (the backend's)."""
+        return self.backend.default_bucket_bytes
+
+    def layout(self, size: int) -> ChunkLayout:
+        """How a pool of `size` elements is cut into chunks."""
+        return self.reduction.layout(size)
 
     def scales(self, dtype) -> tuple[np.dtype, float, float]:
         """(wire dtype, prescale, postscale) for an input of `dtype`."""
-        wire = _scales.wire_for(dtype, self.reduction.wire_dtype)
-        cast = wire != np.dtype(dtype)
-        return (wire, *_scales.scales(self.reduction.op, self.size, cast))
+        return self.reduction.wire.scales(self.reduction.op, self.size, dtype)
 
     def payload_bytes(self, elements, dtype, parts: int = 1):
         """Bytes this device puts into a collective of `elements` of `dtype`
@@ -264,68 +239,38 @@ class BoundReduction(NamedTuple):
         """One collective over `parts` (arrays of one dtype) as if they lay
         one after another; returns the reduced parts, shaped as given.
 
-        ffi on CPU reduces several parts where they lie, into one result
-        each. Elsewhere the parts are concatenated (a fresh buffer, which the
-        result may take over where the schedule allows) and the result is
-        sliced back. A single part is the caller's array, which the result
-        takes over only with `in_place` (False for a parameter of the step,
-        which XLA would first copy: a computed operand that delays the call).
-        `after`: arrays that must exist before anything reads the result
-        (:meth:`after`).
+        A single part is the caller's array, which the result takes over only
+        with `in_place` (False for a parameter of the step, which XLA would
+        first copy: a computed operand that delays the call). `after`: arrays
+        that must exist before anything reads the result (:meth:`after`).
         """
-        if len(parts) > 1 and self._cpu_ffi:
-            reduced = _allreduce.allreduce_parts(self, parts)
-            return [self.after(r, after) if after else r for r in reduced]
-        flat = _concatenate(self.reduction.axes, [jnp.ravel(p) for p in parts])
-        # An FP8 wire scales each part by itself, as cast_error does for a leaf.
-        sizes = tuple(int(np.size(p)) for p in parts)
-        red = _allreduce.allreduce(self, flat, in_place=in_place or len(parts) > 1, parts=sizes)
-        if after:  # on the call's own result, before any slice or reshape reads it
-            red = self.after(red, after)
-        out, offset = [], 0
-        for p, n in zip(parts, sizes, strict=True):
-            out.append(red[offset : offset + n].reshape(jnp.shape(p)))
-            offset += n
-        return out
+        return self.backend.allreduce_bucket(self, parts, in_place=in_place, after=after)
 
     def after(self, x, deps):
-        """`x`, read only once every array in `deps` exists. ffi on CPU holds
-        it behind a call that waits for them (XLA's CPU pipeline drops
-        optimization barriers): otherwise XLA puts x's readers as early as
-        they can go and lends the memory they free to the work in between,
-        which then waits for x. Elsewhere `x` as it is."""
-        if self._cpu_ffi:
-            return _ffi.after(x, deps)
-        return x
+        """`x`, read only once every array in `deps` exists, where the
+        backend's platform needs telling (Backend.after)."""
+        return self.backend.after(x, deps)
 
     def pool(self, parts, addend):
         """The flat `parts` (of addend's dtype) one after another, plus
-        `addend` (as long as all of them). ffi on CPU writes it in one
-        custom call: XLA's CPU code for it runs well below memory bandwidth
-        (a zero fill, then each part, then the add). Elsewhere XLA's."""
-        if self._cpu_ffi:
-            # The call's result is typed as its addend: local, as the parts.
-            return _ffi.pool(parts, to_varying(addend, self.reduction.axes))
-        out, offset = jnp.zeros(addend.shape, addend.dtype), 0
-        for part in parts:
-            out = jax.lax.dynamic_update_slice(out, part, (offset,))
-            offset += part.size
-        return out + addend
+        `addend` (as long as all of them), in one pass where the backend
+        has one (Backend.pool)."""
+        return self.backend.pool(self.reduction.axes, parts, addend)
 
     def exchange(self, x, mask, *, max_chunks: int):
         """Reduces the chunks of flat `x` selected by `mask`, zeros elsewhere
         (the same on every device); returns (result, payload bytes this device
         sent, float32).
 
-        `max_chunks` is how many chunks are usually selected: the xla backend
-        and ffi on GPU pack that many (a static bound) and reduce all chunks
-        when more are selected; ffi on CPU sends exactly the selected ones.
+        `max_chunks` is how many chunks are usually selected: a backend that
+        cannot send exactly the selected chunks packs that many (a static
+        bound) and reduces all chunks when more are selected.
         """
-        size, nchunks, chunk_size = x.size, mask.shape[0], self.reduction.chunk_size
+        layout = self.layout(x.size)
+        nchunks, chunk_size = layout.nchunks, layout.chunk_size
         itemsize = self.scales(x.dtype)[0].itemsize
-        if self.backend == "ffi" and _ffi.packs_exactly():
-            lengths = jnp.minimum(chunk_size, size - chunk_size * jnp.arange(nchunks))
-            payload = jnp.sum(jnp.where(mask, lengths, 0)).astype(jnp.float32) * itemsize
+        if self.backend.sends_only_selected:
+            payload = layout.selected_elements(mask) * itemsize
             return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload
         scales = self.payload_bytes(0, x.dtype)  # an FP8 wire's exponents
         if max_chunks == nchunks:
@@ -342,37 +287,20 @@ class BoundReduction(NamedTuple):
         chunks = jnp.where(many, nchunks, max_chunks).astype(jnp.float32)
         return reduced, chunks * (chunk_size * itemsize) + scales
 
-    def chunk_elements(self, mask, size: int):
-        """bool[size]: each chunk's flag in `mask` over its elements."""
-        return _chunks.elements(mask, self.reduction.chunk_size, size)
-
     def chunk_l1(self, local, exchanged, mask):
         """float32[chunks]: each chunk's L1 norm, of `exchanged` (the
         result of :meth:`exchange`) where `mask` sent the chunk and of the
-        `local` pool elsewhere. ffi on CPU reads each element once."""
-        return _chunks.l1(
-            local,
-            exchanged,
-            mask,
-            chunk_size=self.reduction.chunk_size,
-            axes=self.reduction.axes,
-            cpu_ffi=self._cpu_ffi,
-        )
+        `local` pool elsewhere."""
+        layout = self.layout(local.size)
+        return self.backend.chunk_l1(self.reduction.axes, layout, local, exchanged, mask)
 
     def chunk_residual(self, local, mask, *, decay: float, skip, old):
         """What stays behind after :meth:`exchange`: `decay * local` on the
         chunks `mask` did not send, zeros on the others; `old` where `skip`;
-        shaped like `old`. ffi on CPU reads only the unsent chunks and
-        writes into `old`'s buffer (a skipped step writes nothing)."""
-        return _chunks.residual(
-            local,
-            mask,
-            chunk_size=self.reduction.chunk_size,
-            decay=decay,
-            skip=skip,
-            old=old,
-            axes=self.reduction.axes,
-            cpu_ffi=self._cpu_ffi,
+        shaped like `old`."""
+        layout = self.layout(local.size)
+        return self.backend.chunk_residual(
+            self.reduction.axes, layout, local, mask, decay=decay, skip=skip, old=old
         )
 
     def sum_from_mean(self, y):
@@ -384,53 +312,17 @@ class BoundReduction(NamedTuple):
     def cast_error(self, v):
         """What the wire cast drops from v (a narrow wire's error feedback):
         v - decast(cast(v * prescale)) / prescale, with the prescale this
-        reduction applies (1/N, or 2^-k with 2^k >= 2N where XLA adds in
-        float16), computed exactly as the collectives cast. An FP8 wire's
+        reduction applies (1/N, or 2^-k with 2^k >= 2N where the backend adds
+        in float16), computed exactly as the collectives cast. An FP8 wire's
         scale is this device's own for v (v is one part of a bucket):
         _fp8.cast_error."""
+        wire = self.reduction.wire_dtype
         if self.reduction.fp8:
-            return _fp8.cast_error(v, self.reduction.wire_dtype)
-        scale = self._wire_scale()
-        acc = _xla.accumulator(v.dtype)
-        sent = _xla.to_wire(v, self.reduction.wire_dtype, 1.0 / scale).astype(acc) * scale
-        return (v.astype(acc) - sent).astype(v.dtype)
-
-    def _wire_scale(self):
-        """1 / the prescale before a narrow wire's cast."""
+            return _fp8.cast_error(v, wire)
         n = self.size
-        if self.backend == "xla" and self.algorithm in _xla.ADDS_IN_WIRE:
-            return 1.0 / _xla.headroom_scales(self.reduction.wire_dtype, n, 1.0 / n, 1.0)[0]
-        return n
-
-
-def _concatenate(axes, flat_parts):
-    """The 1-D `flat_parts` (local over `axes`) one after another.
-
-    On CPU XLA's own concatenate is slow: it ran at 0.3 s per device for
-    the 84 MB bucket of a 21M-parameter MLP, and where it fuses a small
-    reduction that feeds it (a bias's gradient, summed over the batch) it
-    computes that reduction for every element of the bucket: 5.5 s. With
-    jaxcomm's CPU handlers, float buckets are copied together by
-    `jaxcomm_pool` instead (without an addend), and the parts of other
-    dtypes pass through `after` (which XLA cannot fuse) when they are small.
-    """
-    if len(flat_parts) < 2 or jax.default_backend() != "cpu" or not _ffi.available("cpu"):
-        return jnp.concatenate(flat_parts)
-    return _concatenate_cpu(axes, *flat_parts)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _concatenate_cpu(axes, *flat_parts):
-    if flat_parts[0].dtype in (jnp.float32, jnp.float64):
-        # Typed local over the reduction's axes, as the parts (as in pool).
-        like = to_varying(jnp.zeros((), flat_parts[0].dtype), axes)
-        return _ffi.pool(list(flat_parts), like=like)
-    return jnp.concatenate(
-        [_ffi.after(p, ()) if 0 < p.size < SMALL_PART else p for p in flat_parts]
-    )
-
-
-@_concatenate_cpu.defjvp
-def _concatenate_cpu_jvp(axes, primals, tangents):
-    # A concatenate is linear: its tangent is the concatenate of the tangents.
-    return _concatenate_cpu(axes, *primals), jnp.concatenate(tangents)
+        scale = n
+        if self.backend.adds_in_wire(self.algorithm):
+            scale = 1.0 / _xla.headroom_scales(wire, n, 1.0 / n, 1.0)[0]
+        acc = _xla.accumulator(v.dtype)
+        sent = _xla.to_wire(v, wire, 1.0 / scale).astype(acc) * scale
+        return (v.astype(acc) - sent).astype(v.dtype)

@@ -51,10 +51,10 @@ Rules:
   times must include them (``bench/network_model.py`` measures them with
   the rest of the step's compute).
 * DiLoCo (``sync_every=H``, ``fragments=F``): no step sends gradients.
-  Fragment ``f`` (:func:`jaxcomm.transforms.diloco.plan_fragments` over the
+  Fragment ``f`` (:func:`jaxcomm._sync_schedule.plan_fragments` over the
   tensors in tree order) sends its pseudo-gradient after the compute of
   every step ``s`` with ``(s + 1) % H`` equal to its offset
-  (:func:`jaxcomm.transforms.diloco.sync_offsets`), in the buckets of
+  (:func:`jaxcomm._sync_schedule.sync_offsets`), in the buckets of
   ``bucket_bytes`` within the fragment, at the wire's width; nothing runs
   beside the sync (it is part of its step), so ``overlap`` does not apply.
   The result is per step, averaged over a cycle of ``H`` steps:
@@ -107,6 +107,7 @@ import math
 
 import numpy as np
 
+from jaxcomm._sync_schedule import check_sync_schedule, plan_fragments, sync_offsets
 from jaxcomm._validate import (
     check_bucket_bytes,
     check_fraction,
@@ -118,7 +119,6 @@ from jaxcomm._validate import (
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
-from jaxcomm.transforms.diloco import check_sync_schedule, plan_fragments, sync_offsets
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32

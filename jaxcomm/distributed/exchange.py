@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from jaxcomm import _jax_compat
+
 __all__ = ["Exchange", "name_processes"]
 
 
@@ -57,16 +59,15 @@ class Exchange:
         """The meeting ``name`` (keys under ``jaxcomm/<name>/``), whose reads
         wait at most ``timeout_s`` in all; ``None`` in a lone process, which
         meets nobody, or before ``jax.distributed.initialize``."""
-        from jax._src.distributed import global_state  # the client jax.distributed set up
-
-        client = global_state.client
-        if client is None or global_state.num_processes in (None, 1):
+        state = _jax_compat.distributed_state()
+        client = state.client
+        if client is None or state.num_processes in (None, 1):
             return None
         deadline = time.monotonic() + timeout_s
         return cls(
             client,
-            global_state.process_id,
-            global_state.num_processes,
+            state.process_id,
+            state.num_processes,
             f"jaxcomm/{name}/",
             timeout_s,
             deadline,

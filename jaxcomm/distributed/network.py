@@ -25,6 +25,8 @@ import re
 import socket
 from collections.abc import Mapping
 
+from jaxcomm import _jax_compat
+
 __all__ = [
     "ENV_COORDINATOR_BIND_ADDRESS",
     "ENV_SOCKET_IFNAME",
@@ -270,24 +272,12 @@ def use_gloo_endpoint(endpoint: GlooEndpoint) -> None:
     """Makes JAX's CPU backend create its gloo collectives on ``endpoint``.
 
     Call it after ``jax.distributed.initialize`` and before anything starts a
-    backend. Private JAX, kept to this function: jax 0.10.2 creates gloo in
-    ``xla_bridge.make_cpu_client`` with neither host name nor interface and
-    has no option for them, while jaxlib's ``make_gloo_tcp_collectives``
-    takes both and ``make_cpu_client`` takes the collectives to use. So the
-    CPU backend's factory is replaced by one that passes them.
+    backend. jax 0.10.2 creates gloo in ``xla_bridge.make_cpu_client`` with
+    neither host name nor interface and has no option for them, while
+    jaxlib's ``make_gloo_tcp_collectives`` takes both and ``make_cpu_client``
+    takes the collectives to use. So the CPU backend's factory is replaced by
+    one that passes them (private JAX: ``jaxcomm._jax_compat``).
     """
-    from jax._src import distributed as jax_distributed
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
-
-    def make_cpu_client():
-        collectives = _jax.make_gloo_tcp_collectives(
-            distributed_client=jax_distributed.global_state.client,
-            hostname=endpoint.address,
-            interface=endpoint.interface,
-        )
-        return xla_bridge.make_cpu_client(collectives=collectives)
-
-    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    _jax_compat.register_gloo_cpu_backend(endpoint.address, endpoint.interface)
     global _gloo_endpoint
     _gloo_endpoint = endpoint

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 
 import jax
 
+from jaxcomm import _jax_compat
 from jaxcomm.distributed import network
 
 __all__ = [
@@ -383,9 +384,7 @@ def _exit_after(print_exception, settings: ProcessSettings):
             )
             sys.stdout.flush()
             sys.stderr.flush()
-            from jax._src.distributed import global_state
-
-            if global_state.service is not None:
+            if _jax_compat.distributed_state().service is not None:
                 time.sleep(_COORDINATOR_LINGER_S)
         finally:
             os._exit(code)

@@ -74,9 +74,37 @@ def empty_stats() -> CommStats:
 
 
 def any_nonfinite(tree) -> jax.Array:
-    """Whether any leaf of `tree` holds an inf or NaN (False for no elements)."""
+    """Whether any leaf of `tree` holds an inf or NaN (False for no elements).
+
+    Where the leaves are shards of a model sharded over other mesh axes, the
+    flag is combined over those axes (one scalar each way), so every device
+    skips the same steps."""
     flags = [~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
-    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
+    if not flags:
+        return jnp.bool_(False)
+    return agreed_any(jnp.any(jnp.stack(flags)))
+
+
+def _varying(x) -> tuple:
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return tuple(sorted(mat.varying)) if mat is not None else ()
+
+
+def agreed_mean(x, over: tuple) -> jax.Array:
+    """`x` (a float scalar) averaged over the axes of `over` it is typed as
+    varying over (inside shard_map): the shards of a sharded model (`over`,
+    "fsdp"), whose stats differ shard by shard, report one value."""
+    varying = tuple(a for a in _varying(x) if a in over)
+    return jax.lax.pmean(x, varying) if varying else x
+
+
+def agreed_any(flag) -> jax.Array:
+    """`flag` (a bool scalar), true on every device where it is true on one
+    of the devices it is typed as varying over (inside shard_map)."""
+    varying = _varying(flag)
+    if not varying:
+        return flag
+    return jax.lax.pmax(flag.astype(jnp.int32), varying) > 0
 
 
 def get_stats(opt_state) -> CommStats:
@@ -187,32 +215,95 @@ def _with_path(tree):
 
 
 def per_device_zeros(tree, comm: Reduction, what: str = "residual") -> PerDevice:
-    """Zeros shaped like `tree`'s leaves, with one leading row per device of `comm`."""
-    return per_device_copies(
-        jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree), comm, what
-    )
+    """Zeros shaped like `tree`'s leaves, with one leading row per device of
+    `comm`, placed as :func:`per_device_copies` places them."""
+    zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+    return per_device_copies(zeros, comm, what, like=tree)
 
 
-def per_device_copies(tree, comm: Reduction, what: str = "residual") -> PerDevice:
+def placed_spec(x) -> tuple | None:
+    """The PartitionSpec `x` is placed with, one entry per dimension, where it
+    lies on a mesh (a ``NamedSharding``); else None."""
+    if isinstance(x, jax.core.Tracer):  # inside a trace: shards, placed by the caller
+        return None
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (len(jnp.shape(x)) - len(spec))
+
+
+def _axes_entry(axes: tuple):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) -> PerDevice:
     """`tree`'s leaves repeated in one leading row per device of `comm`.
 
     Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
-    with its rows split over `comm`'s axes, as :func:`state_specs` says,
-    so that it enters ``shard_map`` as it is.
+    with its rows split over `comm`'s axes and its other dimensions as the
+    corresponding leaf of `like` (default `tree`) is placed: a residual of a
+    parameter sharded over ``"fsdp"`` is sharded over ``"fsdp"`` too. That
+    is what :func:`state_specs` reads, so the state enters ``shard_map`` as
+    it is.
     """
     if not jax.tree.leaves(tree):
         return PerDevice(tree)
     rows, bound = devices_on(comm, what)
-    spec = P(comm.axes[0] if len(comm.axes) == 1 else comm.axes)
+    row = _axes_entry(comm.axes)
 
-    def copies(x):
+    def copies(x, model):
         r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
         if bound or isinstance(r, jax.core.Tracer):  # inside a trace its caller places it
             return r
         mesh = jax.sharding.get_mesh()
-        return r if mesh.empty else jax.device_put(r, NamedSharding(mesh, spec))
+        if mesh.empty:
+            return r
+        spec = P(row, *(placed_spec(model) or ()))
+        return jax.device_put(r, NamedSharding(mesh, spec))
 
-    return PerDevice(jax.tree.map(copies, tree))
+    return PerDevice(jax.tree.map(copies, tree, tree if like is None else like))
+
+
+def _names_in(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _typed_spec(x) -> tuple:
+    """The spec in `x`'s type (its Explicit mesh axes under jit), or ()."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return tuple(spec) if spec is not None else ()
+
+
+def in_shards(update, axes: tuple):
+    """`update` (an optax update function reducing over `axes`), run on each
+    device's shards where the gradients, state or params are split over
+    other Explicit mesh axes in their types (jit with an Explicit "fsdp"
+    axis, shard_map over the data axis only): a shard_map over those axes,
+    which moves no data, so that the transform sees what it sees when the
+    user's own shard_map is over both axes."""
+
+    def wrapped(updates, state, params=None):
+        tree = (updates, state, params)
+        split = []
+        for x in jax.tree.leaves(tree):
+            for entry in _typed_spec(x):
+                split += [a for a in _names_in(entry) if a not in axes and a not in split]
+        if not split:
+            return update(updates, state, params)
+
+        def specs(t):
+            return jax.tree.map(lambda x: _only(P(*_typed_spec(x)), set(split)), t)
+
+        run = jax.shard_map(
+            lambda u, s, p: update(u, s, p),
+            axis_names=set(split),
+            in_specs=specs(tree),
+            out_specs=(specs(updates), specs(state)),
+        )
+        return run(updates, state, params)
+
+    return wrapped
 
 
 def local(per_device: PerDevice):
@@ -224,7 +315,7 @@ def as_row(tree) -> PerDevice:
     return PerDevice(jax.tree.map(lambda x: x[None], tree))
 
 
-def state_specs(opt_state, axis_name):
+def state_specs(opt_state, axis_name, *, axis_names=None):
     """PartitionSpecs for carrying ``opt_state`` through ``jax.shard_map``.
 
     Shared leaves get ``P()``; leaves inside :class:`PerDevice` get
@@ -232,6 +323,13 @@ def state_specs(opt_state, axis_name):
     optax state, a Flax ``TrainState`` or NNX state (``nnx.state(optimizer)``,
     ``nnx.split((model, optimizer))[1]``, ``optimizer.opt_state``), and
     returns specs of the same structure.
+
+    A leaf placed on a mesh keeps the axes it is placed over: the state of a
+    model sharded over another axis (``"fsdp"``, a tensor-parallel axis) is
+    sharded like the model (:func:`per_device_copies`), and its specs say so.
+    A ``shard_map`` manual over some axes only (``axis_names={"data"}``, XLA
+    sharding the rest under ``jit``) takes specs that name only those: pass
+    the same ``axis_names`` here (docs/sharded.md).
 
     ``optax.MultiSteps`` around a jaxcomm transform accumulates each device's
     local gradient, so its ``acc_grads`` get ``P(axis_name)`` too. They have
@@ -248,7 +346,21 @@ def state_specs(opt_state, axis_name):
       >>> specs.residual.value["w"], specs.buffer
       (P('data',), ())
     """
+    if axis_names is not None:
+        specs = state_specs(opt_state, axis_name)
+        return jax.tree.map(
+            lambda s: _only(s, set(axis_names)), specs, is_leaf=lambda s: isinstance(s, P)
+        )
     spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
+
+    def per_device(x):
+        # Rows over the reduction's axes, the rest as the leaf is placed.
+        placed = placed_spec(x)
+        return _trimmed(*spec, *placed[1:]) if placed else spec
+
+    def shared(x):
+        return _trimmed(*(placed_spec(x) or ()))
+
     # Flax NNX state keeps the field names but not the PerDevice type.
     rows = [
         (*p, field, "value")
@@ -258,7 +370,7 @@ def state_specs(opt_state, axis_name):
 
     def one(path, node):
         if isinstance(node, PerDevice):
-            return PerDevice(jax.tree.map(lambda _: spec, node.value))
+            return PerDevice(jax.tree.map(per_device, node.value))
         if isinstance(node, optax.MultiStepsState):
             inner = state_specs(node.inner_opt_state, axis_name)
             local = _holds_jaxcomm_state(node.inner_opt_state)
@@ -271,12 +383,26 @@ def state_specs(opt_state, axis_name):
             )
         names = _names(path)
         if any(names[: len(r)] == r for r in rows):
-            return spec
-        return P()
+            return per_device(node)
+        return shared(node)
 
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
     )
+
+
+def _trimmed(*entries) -> P:
+    """P(*entries) without trailing Nones, as specs are written."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _only(spec: P, axes: set) -> P:
+    """`spec` naming only `axes` (the others left to XLA)."""
+    kept = [tuple(a for a in _names_in(e) if a in axes) for e in spec]
+    return _trimmed(*[(k[0] if len(k) == 1 else k) if k else None for k in kept])
 
 
 def _per_device_fields_at(tree, prefix: tuple) -> set:

@@ -55,80 +55,43 @@ def allreduce_gradients(
 ) -> optax.GradientTransformation:
     """Reduces each device's local gradients over ``axis_name``.
 
-    Put it first in an ``optax.chain``; the optimizer after it sees the
-    global gradient, identical on every device. Use inside ``jax.shard_map``
-    or ``jax.pmap`` over ``axis_name``, on gradients that are still local to
-    each device. ``optax.clip_by_global_norm`` and ``optax.apply_if_finite``
-    go after it: before it, clipping uses each device's own norm, and
-    ``apply_if_finite`` lets devices disagree on running the collective (JAX
-    refuses that under ``shard_map``; under ``pmap`` it hangs on the first
-    non-finite step). Inside ``optax.MultiSteps`` the collective still runs on
-    every micro-step (docs/compose.md).
+    Put it first in an ``optax.chain``, inside ``jax.shard_map`` or ``jax.pmap``:
+    the optimizer after it sees the global gradient, the same on every device
+    (clipping and ``optax.apply_if_finite`` go after it: docs/compose.md). Each
+    step, with ``cast`` the round trip through the wire, ``s`` its prescale and
+    ``e_i`` device i's error-feedback residual (docs/design.md, "The techniques")::
 
-    Leaves are taken in reverse tree order (the order backward produces
-    them) and packed greedily into buckets of at least ``bucket_bytes``
-    bytes, one collective per bucket; leaves of different dtypes never share
-    a bucket.
+      out = sum_i cast(s * v_i) / (s * N),  v_i = g_i + e_i   (op="sum": N * out)
+      e_i <- v_i - cast(s * v_i) / s
+
+    Leaves go in reverse tree order into buckets of ``bucket_bytes`` or more, one
+    dtype and one collective per bucket.
 
     Args:
       axis_name: mesh or pmap axis name, or a tuple of them;
         ``(inter_axis, intra_axis)`` for ``algorithm="hierarchical"``.
       op: ``"mean"`` (default) or ``"sum"``.
-      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16``. Narrow wires
-        are prescaled by 1/N before the cast (for ``op="sum"`` too, scaled
-        back after), so float16 cannot overflow for large N; where XLA adds
-        in float16 (xla ``"auto"`` and ``"hierarchical"``) the prescale is a
-        power of two near 1/(2N) instead, as in :func:`jaxcomm.allreduce`.
-        ``jnp.float8_e4m3fn`` and ``jnp.float8_e5m2`` (xla backend) scale
-        each leaf by a power of two into the format's range and add in
-        float32 (:func:`jaxcomm.allreduce` states their error bound).
-      error_feedback: keep what the wire cast dropped in a per-device
-        residual and add it to the next step's gradient. Needs a narrow wire.
-      bucket_bytes: fusion threshold θ. 0: one collective per leaf;
-        ``math.inf``: one per dtype. ``None`` (default): 0 with the xla
-        backend, whose all-reduce combiner fuses without copies, and
-        ``DEFAULT_BUCKET_BYTES`` (4 MiB) with ffi.
+      wire_dtype: ``None`` (the gradient's dtype), ``jnp.float16``, ``jnp.bfloat16``,
+        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (xla backend); prescaled for
+        ``op="sum"`` too, so float16 cannot overflow (docs/design.md).
+      error_feedback: add what the wire cast dropped (``e_i``, kept per device) to
+        the next step's gradient. Needs a narrow wire, else ValueError.
+      bucket_bytes: fusion threshold θ; 0 is one collective per leaf, ``math.inf``
+        one per dtype. ``None``: 0 on xla, ``DEFAULT_BUCKET_BYTES`` (4 MiB) on ffi.
       algorithm: ``"auto"``, ``"ring"``, ``"hierarchical"`` or ``"direct"``,
         as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
-      double_buffering: step t returns the reduced gradient of step t-1 (step
-        0 returns zeros). The state's per-device ``buffer`` holds this
-        device's gradient of step t-1 (error feedback added), and step t
-        reduces it before storing its own: the collective depends on nothing
-        the step computes, so it can run under the step's forward and
-        backward passes. That needs a backend whose collective does not
-        block a compute thread: ``backend="ffi"`` on CPU (its handler
-        returns a future; XLA's gloo collectives block); on GPU,
-        asynchronous collectives. On ffi/CPU the result is read only once
-        the step's gradient exists, so XLA does not lend its memory to the
-        forward and backward passes (which would make them wait for the
-        collective). Buckets of several leaves are packed from the buffer
-        at the start of the step, a copy the forward pass may wait behind:
-        ``bucket_bytes=0`` avoids it (bench/README.md). Step 0 reduces the
-        zero buffer (a real collective, counted in the stats). The stats and the non-finite
-        flag describe the returned gradient. With error feedback the
-        residual takes the buffer's cast error one step later, once the
-        reduction says whether it was finite, so residuals and results
-        equal those without double buffering shifted by one step; a
-        checkpoint holds every device's buffer. The buffer is kept in the
-        gradient's dtype: its cast error is needed in full precision.
-      check_finite: look for inf/NaN in the reduced gradient (``stats.nonfinite``).
-        It reads the whole gradient once more: on 8 CPU devices sharing 2
-        cores that is ~25% of a ResNet-50-shaped step (bench/overhead.py);
-        ``False`` skips it and always reports False.
+      double_buffering: step t returns the reduced gradient of step t-1 (zeros at
+        step 0), so the collective can run under the step's forward and backward
+        passes (ffi on CPU, GPU); see docs/design.md, "Double buffering".
+      check_finite: set ``stats.nonfinite`` if the reduced gradient holds an inf or
+        NaN, at the cost of one more read of it; ``False`` always reports False.
 
     Returns:
-      An ``optax.GradientTransformation``. Its state is an
-      :class:`AllReduceGradientsState`; ``jaxcomm.get_stats(state)`` reads
-      what the last step sent. A non-finite reduced gradient is returned as
-      it is (every device sees the same one) and flagged in the stats, and
-      the error-feedback residual does not take it in; wrap the optimizer
-      after it in ``optax.apply_if_finite`` to skip such steps everywhere.
-
-      Options are checked when it is built, without starting JAX's
-      backends, so it may be built before ``jax.distributed.initialize``;
-      whether ``backend="ffi"`` has its handler is checked when ``update``
-      is first traced.
+      An ``optax.GradientTransformation`` with :class:`AllReduceGradientsState`;
+      ``jaxcomm.get_stats(state)`` reads what the last step sent. A non-finite
+      result is returned as it is on every device, flagged and kept out of the
+      residual: put the optimizer after it in ``optax.apply_if_finite``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -161,11 +124,8 @@ def allreduce_gradients(
             "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn or float8_e5m2), "
             f"got {None if wire is None else wire.name}"
         )
-    # A narrow wire always divides by N before the cast, so float16 cannot
-    # overflow; a sum is scaled back by N after.
-    scale_back = comm.narrow and op == "sum"
-    if comm.narrow:
-        comm = comm.with_op("mean")
+    scale_back = comm.wire.scales_back(op)
+    comm = comm.with_op(comm.wire.collective_op(op))
 
     def init(params):
         return AllReduceGradientsState(
@@ -233,4 +193,4 @@ def allreduce_gradients(
         )
         return reduced, AllReduceGradientsState(residual, buffer, stats)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))

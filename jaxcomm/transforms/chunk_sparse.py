@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import _validate
+from jaxcomm import _flat, _validate
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, reduction
 from jaxcomm.transforms import _state
+from jaxcomm.transforms._buckets import reduce_in_buckets
 
 
 class ChunkSparseState(NamedTuple):
@@ -61,61 +62,41 @@ def chunk_sparse(
 ) -> optax.GradientTransformation:
     """Exchanges only the most important chunks of the gradient, then runs ``inner``.
 
-    Give it each device's local gradients inside ``jax.shard_map`` or
-    ``jax.pmap``; it replaces a dense ``allreduce_gradients`` in front of the
-    optimizer. With ``inner=optax.sgd(lr, momentum=0.9)`` and
-    ``residual_decay=0.9`` it is GradientFlow's Algorithm 1.
+    Give it each device's local gradients inside ``jax.shard_map`` or ``jax.pmap``,
+    in place of a dense ``allreduce_gradients`` in front of the optimizer. The
+    flat gradient pool is cut into chunks of ``chunk_size`` elements; ``r`` is this
+    device's residual, ``m`` the mask of chunks exchanged (all at step 0). Each step::
 
-    Each step:
+      g <- g + r;   a = mean over devices of g on m, 0 elsewhere
+      update = inner.update(a) on m, 0 elsewhere      (inner's state held off m)
+      r <- 0 on m, residual_decay * g elsewhere
+      m <- the top density(t+1) of chunks by L1 norm of g, summed over devices
 
-    1. ``g <- g + residual``.
-    2. The chunks in the mask are packed and averaged over devices in one
-       collective (``backend="ffi"`` packs inside the custom call; ``"xla"``
-       packs with a static bound, the final density, after warm-up and all
-       chunks during it).
-    3. ``inner`` sees the averaged important chunks (zeros elsewhere); its
-       update is kept on important chunks and is zero on the others, whose
-       parameter-shaped optimizer state is held unchanged.
-    4. ``residual <- 0`` on important chunks, ``residual_decay * g`` elsewhere.
-    5. Each device takes the L1 norm of every chunk of ``g`` (important
-       chunks already hold the average, so their norm is divided by N), the
-       norms are summed over devices, and the top ``density(t+1)`` fraction
-       becomes the next mask (ties go to the earlier chunk).
-
-    The first step exchanges every chunk; ``density(t)`` goes linearly from 1
-    at step 0 to ``density`` at ``warmup_steps``. A step whose averaged
-    chunks or norms are not finite is skipped on every device: zero update,
-    state unchanged, ``stats.nonfinite`` set.
+    ``density(t)`` goes linearly from 1 to ``density`` over ``warmup_steps``. A step
+    whose averaged chunks or norms are not finite is skipped on every device (zero
+    update, state unchanged, ``stats.nonfinite`` set). With ``inner=optax.sgd(lr,
+    momentum=0.9)`` and ``residual_decay=0.9`` it is GradientFlow's Algorithm 1;
+    see docs/design.md, "Chunk-sparse communication".
 
     Args:
-      inner: the optimizer to run on the exchanged gradient. Parameter-shaped
-        leaves of its state are held on unimportant chunks; it sees zeros
-        there, so transformations like ``clip_by_global_norm`` see only the
-        exchanged part. Clipping goes here, not before this transform: there
-        it would clip each device's local gradient by its own norm.
+      inner: the optimizer to run on the exchanged gradient; it sees zeros off the
+        mask, so clipping goes inside it (docs/compose.md).
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       density: final fraction of chunks exchanged, in (0, 1].
-      chunk_size: elements per chunk (GradientFlow uses 32768). At least one
-        chunk travels each step, so a model of fewer than ``1 / density``
-        chunks cannot reach ``density``: a 10k-parameter model is one
-        32768-element chunk and stays dense. ``init`` warns then, naming the
-        density the chunks allow; the size stays what you chose (a smaller
-        chunk means more norms to exchange and a finer mask, a trade-off this
-        transform does not make for you). ``stats.density`` reports the
-        fraction of gradient elements actually exchanged.
+      chunk_size: elements per chunk (32768, as GradientFlow); a model of fewer than
+        ``1 / density`` chunks cannot reach ``density``, and ``init`` warns.
       warmup_steps: steps over which density ramps from 1 to ``density``.
       residual_decay: factor on the unsent gradient kept for the next step
         (momentum correction), in [0, 1].
-      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16`` or an 8-bit
-        float (``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``; xla only) for the
-        exchanged chunks (prescaled by 1/N, or as :func:`jaxcomm.allreduce`
-        says for float16 on xla's ``lax.psum`` paths).
+      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16`` or an 8-bit float
+        (xla only) for the exchanged chunks, prescaled as in :func:`jaxcomm.allreduce`.
       algorithm: as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"`` (ffi where available: only the selected chunks
-        travel), ``"ffi"`` or ``"xla"``.
+      backend: ``"auto"`` (ffi where available: only the selected chunks travel),
+        ``"ffi"`` or ``"xla"``.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`ChunkSparseState`.
+      An ``optax.GradientTransformation`` with :class:`ChunkSparseState`;
+      ``jaxcomm.get_stats(state).density`` is the fraction of elements exchanged.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -141,6 +122,11 @@ def chunk_sparse(
       [False, False, False, True]
       >>> float(jaxcomm.get_stats(state).density)
       1.0
+
+    References:
+      Sun et al., `Optimizing Network Performance for Distributed DNN Training on
+      GPU Clusters: ImageNet/AlexNet Training in 1.5 Minutes
+      <https://arxiv.org/abs/1902.06855>`_, 2019 (GradientFlow)
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -156,57 +142,85 @@ def chunk_sparse(
         masked=True,
         chunk_size=chunk_size,
     )
-    chunk_size = exchange.chunk_size
     warmup_steps = _validate.check_count("warmup_steps", warmup_steps)
     residual_decay = _validate.check_fraction("residual_decay", residual_decay, zero=True)
     # The norms go the same way as the chunks: 'auto' resolves as for a mask.
     norm_sum = reduction(axis_name, op="sum", backend=backend, masked=True)
+    # A sharded model's leaves that are whole on every shard are averaged
+    # densely (see _pooled).
+    dense_mean = reduction(
+        axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
+    )
 
     def init(params):
         leaves = jax.tree.leaves(params)
-        pool = _pool_dtype(leaves)
-        size = sum(int(np.size(x)) for x in leaves)
-        nchunks = max(1, -(-size // chunk_size))
-        _warn_if_not_sparse(size, nchunks, chunk_size, density)
+        pooled, others = _pooled_at_init(leaves, exchange.axes)
+        pool_leaves = [x for x, p in zip(leaves, pooled, strict=True) if p]
+        layout = exchange.layout(sum(_local_size(x, others) for x in pool_leaves))
+        _warn_if_not_sparse(layout, density)
+        # Each shard's own pool and mask: rows over the other axes, if any.
+        shards = (_shard_count(others),) if others else ()
         return ChunkSparseState(
             inner=inner.init(params),
-            residual=_state.per_device_zeros(jax.ShapeDtypeStruct((size,), pool), exchange),
-            mask=jnp.ones((nchunks,), jnp.bool_),
+            residual=_per_shard(
+                _state.per_device_zeros(
+                    jax.ShapeDtypeStruct((*shards, layout.size), _pool_dtype(pool_leaves)),
+                    exchange,
+                ),
+                others,
+            ),
+            # An empty gradient keeps a one-chunk mask, which it never sends.
+            mask=_placed(jnp.ones((*shards, max(layout.nchunks, 1)), jnp.bool_), others),
             count=jnp.int32(0),
             stats=_state.empty_stats(),
         )
 
     def update(updates, state, params=None):
-        leaves, treedef = jax.tree.flatten(updates)
+        all_leaves, treedef = jax.tree.flatten(updates)
         exchange.check_dtypes(updates)
-        size = sum(int(np.size(x)) for x in leaves)
-        _check_pool_size(updates, size, state, params)
         bound = exchange.bind()
         bound.check_local(updates)
-        nchunks = state.mask.shape[0]
+        pooled = _pooled(all_leaves, bound.place.others)
+        leaves = [x for x, p in zip(all_leaves, pooled, strict=True) if p]
+        size = sum(int(np.size(x)) for x in leaves)
+        _check_pool_size(updates, size, state, params)
+        layout = bound.layout(size)
         if size == 0:  # nothing to exchange: no collective, only the inner step
             upd, inner_state = inner.update(updates, state.inner, params)
             return upd, state._replace(inner=inner_state, count=state.count + 1)
+        mask = state.mask.reshape(-1)  # this shard's, of a sharded model's
+        old_residual = state.residual.value
 
-        g = bound.pool(_pool_parts(leaves, _pool_dtype(leaves)), _state.local(state.residual))
-        elem_mask = bound.chunk_elements(state.mask, size)
+        g = bound.pool(
+            _pool_parts(leaves, _pool_dtype(leaves)), _state.local(state.residual).reshape(-1)
+        )
+        elem_mask = layout.elements(mask)
         # Important chunks averaged (the same on every device), zeros elsewhere.
-        exchanged, payload = bound.exchange(g, state.mask, max_chunks=_selected(density, nchunks))
+        exchanged, payload = bound.exchange(g, mask, max_chunks=layout.selected(density))
         # Next mask from the summed per-chunk L1 norms (one small collective).
         # An important chunk holds the average on every device: count it once.
-        l1 = bound.chunk_l1(g, exchanged, state.mask)
-        norms = jnp.where(state.mask, l1 / bound.size, l1)
+        l1 = bound.chunk_l1(g, exchanged, mask)
+        norms = jnp.where(mask, l1 / bound.size, l1)
         norms = norm_sum.bind().allreduce(norms)
         next_density = _density(state.count + 1, density, warmup_steps)
-        next_mask = _top_chunks(norms, next_density)
+        next_mask = _top_chunks(norms, layout.selected(next_density))
 
+        dense = [x for x, p in zip(all_leaves, pooled, strict=True) if not p]
+        dense_bound = dense_mean.bind() if dense else None
+        reduced, dense_payload, dense_count = (
+            reduce_in_buckets(dense, dense_bound, math.inf) if dense else ([], 0, 0)
+        )
         # The norms see every exchanged value (it is zero outside the mask) and
         # |inf| and NaN survive the sums, so they flag a non-finite step on
         # their own: no pass over the pool (XLA CPU made sum(x * 0) a dot
-        # against a materialised pool of zeros).
-        nonfinite = ~jnp.all(jnp.isfinite(norms))
-        grads = jax.tree.unflatten(treedef, _from_pool(exchanged, leaves))
-        masks = jax.tree.unflatten(treedef, _from_pool(elem_mask, leaves))
+        # against a materialised pool of zeros). A sharded model's shards
+        # agree on it (one scalar over the other axes).
+        nonfinite = _state.agreed_any(~jnp.all(jnp.isfinite(norms)) | _state.any_nonfinite(reduced))
+        grads = _merge(_from_pool(exchanged, leaves), reduced, pooled)
+        masks = _merge(
+            _from_pool(elem_mask, leaves), [jnp.ones(jnp.shape(x), bool) for x in dense], pooled
+        )
+        grads, masks = jax.tree.unflatten(treedef, grads), jax.tree.unflatten(treedef, masks)
         upd, inner_state = inner.update(grads, state.inner, params)
         # A non-finite step is skipped everywhere: every device sees the same
         # averaged chunks and norms, so they all take it. The skip and the
@@ -216,28 +230,117 @@ def chunk_sparse(
         upd = jax.tree.map(lambda u, m: jnp.where(m, u, jnp.zeros_like(u)), upd, keep)
         inner_state = _hold_unselected(inner_state, state.inner, keep, nonfinite)
 
-        norm_payload = nchunks * 4
+        norm_payload = layout.nchunks * 4
+        dense_size = sum(int(np.size(x)) for x in dense)
+        payload = payload + norm_payload + dense_payload
+        # Of a sharded model, the mean over its shards (each has its mask).
+        others = bound.place.others
+        payload = _state.agreed_mean(payload.astype(jnp.float32), others)
+        selected = layout.selected_elements(mask) + dense_size
         stats = _state.CommStats(
-            payload_bytes=(payload + norm_payload).astype(jnp.float32),
-            bytes_sent=bound.bytes_sent(payload) + bound.bytes_sent(norm_payload),
-            collectives=jnp.int32(2),
-            density=_element_density(state.mask, chunk_size, size),
+            payload_bytes=payload,
+            bytes_sent=bound.bytes_sent(payload),
+            collectives=jnp.int32(2 + dense_count),
+            density=_state.agreed_mean(selected / np.float32(size + dense_size), others),
             nonfinite=nonfinite,
         )
 
         residual = bound.chunk_residual(
-            g, state.mask, decay=residual_decay, skip=nonfinite, old=state.residual.value
+            g, mask, decay=residual_decay, skip=nonfinite, old=old_residual
         )
         new = ChunkSparseState(
             inner=inner_state,
             residual=_state.PerDevice(residual),
-            mask=_unless(nonfinite, next_mask, state.mask),
+            mask=_unless(nonfinite, next_mask.reshape(state.mask.shape), state.mask),
             count=_unless(nonfinite, state.count + 1, state.count),
             stats=stats,
         )
         return upd, new
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, _state.in_shards(update, exchange.axes))
+
+
+def _pooled(leaves, others: tuple) -> list[bool]:
+    """Which leaves go into the chunk pool: all of them, but where the model
+    is sharded over other mesh axes (``others``, bound here: "fsdp"), a leaf
+    that is whole on every shard of them (a bias, typed as the same over
+    them) is averaged densely instead. Each shard cuts its own pool into
+    chunks and picks its own mask (agreed over the reduced axes), and a
+    leaf held whole by several shards would otherwise be updated where one
+    shard's mask sends it and not where another's does."""
+    if not others:
+        return [True] * len(leaves)
+    out = []
+    for x in leaves:
+        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+        out.append(mat is None or set(others) <= set(mat.varying))
+    # A model whole on every device of the other axes: pooled whole, as init does.
+    return out if any(out) else [True] * len(leaves)
+
+
+def _pooled_at_init(leaves, axes: tuple) -> tuple[list[bool], tuple]:
+    """:func:`_pooled` for params as placed (outside shard_map): a leaf is
+    pooled when it is split over every mesh axis besides `axes`. Returns
+    the flags and those other axes (none without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in axes)
+    if not others:
+        return [True] * len(leaves), ()
+    flags = []
+    for x in leaves:
+        spec = _state.placed_spec(x) or ()
+        named = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        flags.append(set(others) <= named)
+    if not any(flags):  # a model replicated over every axis: pooled whole, as before
+        return [True] * len(leaves), ()
+    return flags, others
+
+
+def _shard_count(others: tuple) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(dict(mesh.shape)[a] for a in others)
+
+
+def _local_size(x, others: tuple) -> int:
+    """Elements of this device's shard of `x` (as placed)."""
+    if not others:
+        return int(np.size(x))
+    mesh = dict(jax.sharding.get_abstract_mesh().shape)
+    spec = _state.placed_spec(x) or ()
+    split = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    return int(np.size(x)) // math.prod(mesh[a] for a in split)
+
+
+def _placed(x, others: tuple):
+    """`x` (rows over the shards first) split over `others` where init runs
+    under a mesh."""
+    if not others or isinstance(x, jax.core.Tracer):
+        return x
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return x
+    spec = jax.sharding.PartitionSpec(others, *[None] * (x.ndim - 1))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _per_shard(residual: _state.PerDevice, others: tuple) -> _state.PerDevice:
+    """A PerDevice pool with rows over the shards after the device rows,
+    split over `others` too."""
+    x = residual.value
+    if not others or isinstance(x, jax.core.Tracer):
+        return residual
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return residual
+    rows = _state.placed_spec(x)[0]
+    spec = jax.sharding.PartitionSpec(rows, others, None)
+    return _state.PerDevice(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)))
+
+
+def _merge(pooled_leaves, dense_leaves, pooled) -> list:
+    """The leaves back in tree order from the pooled and the dense ones."""
+    a, b = iter(pooled_leaves), iter(dense_leaves)
+    return [next(a) if p else next(b) for p in pooled]
 
 
 def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> None:
@@ -254,11 +357,14 @@ def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> Non
     )
 
 
-def _warn_if_not_sparse(size: int, nchunks: int, chunk_size: int, density: float) -> None:
+def _warn_if_not_sparse(layout, density: float) -> None:
     """Warns (once per call site, Python's default) when whole chunks make the
     density unreachable: at least twice what was asked for."""
-    reachable = _selected(density, nchunks) / nchunks
-    if size == 0 or reachable < 2 * density:
+    size, nchunks, chunk_size = layout.size, layout.nchunks, layout.chunk_size
+    if size == 0:
+        return
+    reachable = layout.reachable(density)
+    if reachable < 2 * density:
         return
     if size * density >= 1:
         # ceil(size / c) >= 1 / density chunks, so whole chunks overshoot by under 2x.
@@ -274,14 +380,6 @@ def _warn_if_not_sparse(size: int, nchunks: int, chunk_size: int, density: float
     )
 
 
-def _element_density(mask, chunk_size: int, size: int):
-    """The fraction of gradient elements in the chunks of `mask` (the last
-    chunk may be shorter than the others)."""
-    starts = np.arange(mask.shape[0]) * chunk_size
-    lengths = np.minimum(chunk_size, size - starts).astype(np.float32)
-    return jnp.sum(jnp.where(mask, lengths, 0)) / np.float32(size)
-
-
 def _pool_dtype(leaves):
     wide = [
         np.dtype(jnp.result_type(x)) for x in leaves if np.dtype(jnp.result_type(x)).itemsize > 4
@@ -295,13 +393,13 @@ def _pool_parts(leaves, dtype):
 
 
 def _from_pool(pool, leaves):
-    out, offset = [None] * len(leaves), 0
-    for i in reversed(range(len(leaves))):
-        n = int(np.size(leaves[i]))
-        part = pool[offset : offset + n].reshape(jnp.shape(leaves[i]))
-        out[i] = part if part.dtype == jnp.bool_ else part.astype(jnp.result_type(leaves[i]))
-        offset += n
-    return out
+    """Inverse of :func:`_pool_parts`: leaves shaped (and, but for a mask's
+    flags, typed) as `leaves`."""
+    parts = _flat.split(pool, [jnp.shape(x) for x in reversed(leaves)])[::-1]
+    return [
+        p if p.dtype == jnp.bool_ else p.astype(jnp.result_type(x))
+        for p, x in zip(parts, leaves, strict=True)
+    ]
 
 
 def _density(step, final: float, warmup: int):
@@ -312,19 +410,9 @@ def _density(step, final: float, warmup: int):
     return (1.0 + (final - 1.0) * frac).astype(jnp.float32)
 
 
-def _selected(density, nchunks: int):
-    """How many chunks a density selects: the ceiling, at least one. A Python
-    float gives a Python int (a static bound, float64 arithmetic); a traced
-    density an int32 array."""
-    if isinstance(density, float):
-        return min(max(math.ceil(density * nchunks - 1e-6), 1), nchunks)
-    k = jnp.ceil(density * nchunks - 1e-6).astype(jnp.int32)
-    return jnp.clip(k, 1, nchunks)
-
-
-def _top_chunks(norms, density):
+def _top_chunks(norms, k):
+    """The `k` chunks of largest norm."""
     nchunks = norms.shape[0]
-    k = _selected(density, nchunks)
     # Stable order by decreasing norm: ties go to the earlier chunk.
     order = jnp.argsort(-norms, stable=True)
     rank = jnp.zeros((nchunks,), jnp.int32).at[order].set(jnp.arange(nchunks, dtype=jnp.int32))

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import _validate
+from jaxcomm import _flat, _validate
+from jaxcomm._sync_schedule import check_sync_schedule, plan_fragments, sync_offsets
 from jaxcomm.collectives import reduction, to_varying
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
@@ -66,65 +67,42 @@ def diloco(
 ) -> optax.GradientTransformation:
     """Local steps with ``inner``, an averaged outer step every ``sync_every``.
 
-    Use inside ``jax.shard_map`` or ``jax.pmap`` over ``axis_name``. Unlike
-    the other transforms, the gradient must be taken at *this device's* params,
-    :func:`jaxcomm.local_params` ``(state)``, while ``params`` (passed to
-    ``update`` and updated with ``optax.apply_updates``) are the global params
-    of the last sync, identical on every device. It is a whole optimizer: put
-    nothing after it in a chain, since its updates must reach ``params`` as
-    they are (the local params adopt ``params + update`` at a sync). Each
-    step (count ``s`` from 0):
+    A whole optimizer (put nothing after it in a chain), used inside
+    ``jax.shard_map`` or ``jax.pmap``. ``params`` are the global params of the last
+    sync, the same on every device; take the gradient at this device's own,
+    :func:`jaxcomm.local_params` ``(state)``. With ``H = sync_every``, ``F =
+    fragments`` and ``mean`` over the devices, each step ``s`` (from 0) computes::
 
-    1. ``local <- local + inner.update(grads)``, on this device only.
-    2. For each fragment ``f`` due at ``s`` (see below): ``delta`` = mean over
-       devices of ``params - local`` on the fragment's leaves (fused into
-       buckets as in :func:`jaxcomm.allreduce_gradients`, on the wire
-       ``wire_dtype``); ``u = outer.update(delta)``;
-       the returned update is ``u`` on these leaves, and every device's local
-       params take ``optax.apply_updates(params, u)``, bitwise what the caller
-       gets. Fragments not due return a zero update.
+      local <- local + inner.update(grads)                    (this device only)
+      for each fragment f with (s + 1) % H == ((f + 1) * H // F) % H:
+          u = outer.update(mean(params - local)) on f's leaves;   local <- params + u
 
-    Fragments: the leaves, in tree order, are cut into ``fragments``
-    contiguous groups; the cut after group ``k`` falls at the leaf boundary
-    nearest to ``k/F`` of all elements (ties to the earlier boundary), every
-    group keeping at least one leaf. Fragment ``f`` is due at step ``s`` when
-    ``(s + 1) % H == ((f + 1) * H // F) % H``, with ``H = sync_every``: the
-    fragments go in order, ``H/F`` steps apart, each every ``H`` steps (its
-    first sync comes after ``(f + 1) * H // F`` steps). ``fragments=1`` is
-    DiLoCo: everything at ``s + 1 = H, 2H, ...``. Each fragment has its own
-    outer state. The fragment's collective runs inside its sync step and is
-    used at once (no overlap with the next inner steps).
-
-    Sync steps run under ``lax.cond`` on the step count, which every device
-    holds the same, so all devices enter the same branch, and steps with no
-    fragment due issue no collective at all.
+    and returns ``u`` on those leaves, zeros elsewhere; ``local`` adopts bitwise what
+    ``optax.apply_updates`` gives the caller. Fragments are contiguous groups of
+    leaves, about 1/F of the elements each, synced in turn ``H/F`` steps apart; a
+    step with none due sends nothing. See docs/diloco.md and docs/design.md, "DiLoCo".
 
     Args:
       inner: the optimizer each device runs on its own gradients, e.g.
-        ``optax.adamw(...)``; its state is per device and is kept across syncs.
+        ``optax.adamw(...)``; its state is per device and kept across syncs.
       outer: the optimizer on the averaged pseudo-gradient, e.g.
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; one state per fragment.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       sync_every: H, inner steps between two syncs of a fragment, >= 1.
-      fragments: F, the number of fragments, 1 <= F <= H and at most the
-        number of leaves (checked at ``init``).
+      fragments: F, 1 <= F <= H and at most the number of leaves (checked at init).
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
         pseudo-gradient (prescaled as in :func:`jaxcomm.allreduce`).
       bucket_bytes: fusion threshold within a fragment, as in
-        :func:`jaxcomm.allreduce_gradients`: ``None`` (default) is one
-        collective per leaf on xla (XLA's combiner fuses them) and 4 MiB
-        buckets on ffi; ``math.inf`` one collective per dtype.
+        :func:`jaxcomm.allreduce_gradients` (``None``: per leaf on xla, 4 MiB on ffi).
       algorithm: as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DiLoCoState`. Its
-      per-device parts are ``PerDevice`` subtrees: place the state with
-      :func:`jaxcomm.state_specs`; init needs the axis size (call it inside
-      ``shard_map`` or under ``jax.set_mesh``). ``jaxcomm.get_stats`` reads
-      what the last step sent: zeros between syncs, ``density`` the fraction
-      of the model's elements sent. ``stats.nonfinite`` flags a non-finite
-      averaged pseudo-gradient; the step is taken all the same.
+      An ``optax.GradientTransformation`` with :class:`DiLoCoState`, whose
+      ``PerDevice`` parts :func:`jaxcomm.state_specs` places; init needs the axis
+      size (inside ``shard_map`` or under ``jax.set_mesh``). ``jaxcomm.get_stats``:
+      zeros between syncs, ``density`` the fraction of elements sent, ``nonfinite``
+      a non-finite pseudo-gradient (whose outer step is taken all the same).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -155,6 +133,13 @@ def diloco(
       [0, 0, 0, 1]
       >>> bool((state.local.value["w"] == params["w"]).all())  # every device adopted them
       True
+
+    References:
+      Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language
+      Models <https://arxiv.org/abs/2311.08105>`_, 2023
+
+      Douillard et al., `Streaming DiLoCo with overlapping communication: Towards a
+      Distributed Free Lunch <https://arxiv.org/abs/2501.18512>`_, 2025
     """
     _check_optimizer("inner", inner)
     _check_optimizer("outer", outer)
@@ -248,7 +233,7 @@ def diloco(
         )
         return treedef.unflatten(out), new
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
 
 
 def local_params(opt_state, like=None):
@@ -297,70 +282,6 @@ def local_params(opt_state, like=None):
     return jax.tree.unflatten(want, values)
 
 
-def plan_fragments(sizes, fragments: int) -> tuple[tuple[int, int], ...]:
-    """Cuts leaves (their element counts, in tree order) into contiguous fragments.
-
-    The cut after fragment ``k`` is the leaf boundary whose element count so
-    far is nearest to ``k/F`` of the total (ties to the earlier boundary),
-    leaving at least one leaf to each fragment.
-
-    Returns:
-      ``(start, stop)`` leaf indices of each fragment.
-
-    Examples:
-      >>> plan_fragments([1, 5, 8, 7], 2)
-      ((0, 3), (3, 4))
-      >>> plan_fragments([4, 4, 4, 4], 4)
-      ((0, 1), (1, 2), (2, 3), (3, 4))
-    """
-    n = len(sizes)
-    if fragments > n:
-        raise ValueError(f"fragments={fragments} needs at least that many leaves; params have {n}")
-    bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    total = int(bounds[-1])
-    cuts = [0]
-    for k in range(1, fragments):
-        candidates = range(cuts[-1] + 1, n - (fragments - k) + 1)
-        # Compared as k*total vs F*bound, in integers: no float ties.
-        cuts.append(min(candidates, key=lambda i: abs(fragments * int(bounds[i]) - k * total)))
-    cuts.append(n)
-    return tuple(zip(cuts[:-1], cuts[1:], strict=True))
-
-
-def check_sync_schedule(sync_every, fragments) -> tuple[int, int]:
-    """``sync_every`` (H) and ``fragments`` (F) as ints, if 1 <= F <= H.
-
-    Each fragment syncs at its own step of the H-step cycle, so there can be
-    no more fragments than steps. The cost model checks its settings here too.
-
-    Examples:
-      >>> check_sync_schedule(50, 5)
-      (50, 5)
-      >>> check_sync_schedule(2, 3)  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: fragments=3 must be <= sync_every=2: each fragment syncs at ...
-    """
-    sync_every = _validate.check_positive_integer("sync_every", sync_every)
-    fragments = _validate.check_positive_integer("fragments", fragments)
-    if fragments > sync_every:
-        raise ValueError(
-            f"fragments={fragments} must be <= sync_every={sync_every}: each fragment "
-            "syncs at its own step of the cycle"
-        )
-    return sync_every, fragments
-
-
-def sync_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
-    """Fragment f syncs after step s (from 0) when ``(s + 1) % sync_every`` is its offset.
-
-    Examples:
-      >>> sync_offsets(4, 1), sync_offsets(6, 3), sync_offsets(5, 2)
-      ((0,), (2, 4, 0), (2, 0))
-    """
-    return tuple(((f + 1) * sync_every // fragments) % sync_every for f in range(fragments))
-
-
 def _sync(operands, bound, outer, theta):
     """The outer step of one fragment: average params - local, step from params.
 
@@ -378,29 +299,46 @@ def _skip(operands):
     """No sync: buffers for the update left as lax.empty makes them (the
     caller's where reads zeros), and the outer state as it is."""
     anchor, _, outer_state = operands
-    unwritten = [jax.lax.empty(x.shape, x.dtype) for x in jax.eval_shape(_pack, anchor)]
+    shapes = jax.eval_shape(_pack, anchor)
+    unwritten = [
+        _varying(jax.lax.empty(x.shape, x.dtype), key[1])
+        for x, key in zip(shapes, _groups(anchor), strict=True)
+    ]
     return unwritten, outer_state, jnp.bool_(False)
 
 
+def _group(x) -> tuple:
+    """What leaves packed together share: the dtype, and the mesh axes the
+    value is typed as varying over (a sharded model's shards differ over
+    "fsdp", its replicated leaves do not: packed apart, each keeps its type)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return jnp.result_type(x), tuple(sorted(mat.varying)) if mat is not None else ()
+
+
+def _groups(leaves) -> list:
+    return list(dict.fromkeys(_group(x) for x in leaves))
+
+
+def _varying(x, axes: tuple):
+    return to_varying(x, axes) if axes else x
+
+
 def _pack(leaves):
-    """The leaves raveled and concatenated: one flat array per dtype, in the
-    order the dtypes first appear."""
-    groups: dict = {}
+    """The leaves raveled and concatenated: one flat array per :func:`_group`,
+    in the order the groups first appear."""
+    groups: dict = {key: [] for key in _groups(leaves)}
     for x in leaves:
-        groups.setdefault(jnp.result_type(x), []).append(jnp.ravel(x))
+        groups[_group(x)].append(jnp.ravel(x))
     return [jnp.concatenate(g) for g in groups.values()]
 
 
 def _unpack(packed, like):
     """Inverse of :func:`_pack`: leaves shaped and typed as `like`."""
-    flats = dict(zip(dict.fromkeys(jnp.result_type(x) for x in like), packed, strict=True))
-    offsets = dict.fromkeys(flats, 0)
-    out = []
-    for x in like:
-        dtype, n = jnp.result_type(x), int(np.size(x))
-        out.append(flats[dtype][offsets[dtype] : offsets[dtype] + n].reshape(jnp.shape(x)))
-        offsets[dtype] += n
-    return out
+    pieces = {
+        key: iter(_flat.split(flat, [jnp.shape(x) for x in like if _group(x) == key]))
+        for key, flat in zip(_groups(like), packed, strict=True)
+    }
+    return [next(pieces[_group(x)]) for x in like]
 
 
 def _adopt(adopted, local):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import _validate
+from jaxcomm import _flat, _validate
 from jaxcomm.collectives import reduction
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import reduce_in_buckets
@@ -55,12 +55,16 @@ _state.per_device_fields(PowerSGDState, "residual")
 
 
 class _Matrix(NamedTuple):
-    """A compressed leaf: its index in the tree, its matrix view, its rank."""
+    """A compressed leaf: its index in the tree, its (whole) matrix view, its
+    rank, and the mesh axes its rows and its columns are split over where the
+    model is sharded (rows: the leaf's first dimension; columns: its second)."""
 
     leaf: int
     rows: int
     cols: int
     rank: int
+    row_axes: tuple = ()
+    col_axes: tuple = ()
 
 
 def powersgd(
@@ -79,84 +83,41 @@ def powersgd(
 ) -> optax.GradientTransformation:
     """Averages gradients over ``axis_name``, sending large matrices as rank-``rank`` factors.
 
-    Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`;
-    the optimizer after it sees the same gradient on every device. Use inside
-    ``jax.shard_map`` or ``jax.pmap`` over ``axis_name`` on gradients that are
-    still local to each device. The steps are those of PyTorch DDP's
-    PowerSGD hook, except that a matrix exactly on the compression boundary
-    is compressed and a zero column of a warm-started Q is drawn afresh.
+    Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`,
+    inside ``jax.shard_map`` or ``jax.pmap``. A leaf of ``ndim >= 2`` is a matrix
+    M of shape ``(shape[0], prod(shape[1:]))``, compressed at rank ``min(rank,
+    rows, cols)`` when ``(rows + cols) * rank * min_compression_rate <= rows *
+    cols``. Each step, for each such M, with ``e`` this device's residual, ``Q``
+    the last step's factor and ``mean`` over the devices::
 
-    A leaf of ``ndim >= 2`` is viewed as a matrix M of shape
-    ``(shape[0], prod(shape[1:]))``; it is compressed when
-    ``(rows + cols) * rank * min_compression_rate <= rows * cols``, with rank
-    ``min(rank, rows, cols)``. For every compressed matrix, each step:
+      M <- g + e;   P <- gram_schmidt(mean(M Q));   Q <- mean(M^T P)
+      out = P Q^T (the same on every device);       e <- M - P Q^T
 
-    1. ``M <- g + e`` with this device's residual e (error feedback).
-    2. ``P <- mean over devices of M Q``, then P's columns are made
-       orthonormal one after the other, as Gram-Schmidt does (computed as a
-       QR decomposition with R's diagonal made positive, which stays
-       orthogonal when the columns are nearly dependent). A column with
-       nothing left once the earlier ones are taken out (R's diagonal 0, as
-       for a zero gradient) becomes zero, not NaN; it adds nothing to the
-       result.
-    3. ``Q <- mean over devices of M^T P``; the result is ``P Q^T``, the same
-       on every device, and ``e <- M - P Q^T``.
-
-    The other leaves (biases, small matrices) are averaged densely, in one
-    collective per dtype. So a step sends three collectives: every P, every
-    Q, and the dense leaves.
-
-    Q starts as a standard normal float32 draw, the same on every device:
-    ``jax.random.normal(jax.random.fold_in(jax.random.key(seed), t), (n,))``
-    for step t, cut in tree order into each matrix's ``(cols, rank)``
-    (row-major). With ``warm_start`` the first compressed step starts from
-    the draw for t = 0 and each later one from the Q the step before
-    produced; a column of that Q that came out exactly zero (a zero gradient,
-    as at a zero-initialised layer) is taken from the draw for this step
-    instead, so it cannot stay zero for good. Without ``warm_start`` each
-    step t starts from the draw for t.
-
-    Before ``start_step`` every leaf is averaged densely in one collective
-    per dtype, with no error feedback: the residual stays zero.
-
-    ``mask`` keeps chosen matrices out of compression, as optax's ``mask``
-    arguments choose leaves: those marked False are averaged densely with
-    the small leaves. A tied embedding is the usual case: its gradient (the
-    output layer's, one outer product per token) is far from low rank, and
-    it is a small part of the model.
+    The other leaves are averaged densely: three collectives a step (every P,
+    every Q, the dense leaves). This is PyTorch DDP's PowerSGD hook but for two
+    edge cases: see docs/powersgd.md and docs/design.md, "PowerSGD".
 
     Args:
-      axis_name: mesh or pmap axis name, or a tuple of them, as in
-        :func:`jaxcomm.allreduce`.
+      axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       rank: columns of P and Q, a positive int.
-      start_step: dense steps before compression starts, an int >= 0.
-      min_compression_rate: a matrix is compressed only if its factors are at
-        least this many times smaller than it; > 0.
-      error_feedback: keep ``M - P Q^T`` per device and add it to the next
-        step's gradient.
-      warm_start: start each step's power iteration from the last step's Q.
-      seed: the seed of the Q draws, an int >= 0.
-      mask: ``None`` (every leaf may be compressed), or a pytree of bools
-        with the gradients' structure or a prefix of it, or a callable that
-        returns one given the params (at init) or the gradients (at update):
-        True where a leaf may be compressed (the rule above still applies),
-        False where it is averaged densely.
-      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every
-        collective (prescaled as in :func:`jaxcomm.allreduce`); the factors
-        are computed in float32 (float64 for float64 gradients) either way.
+      start_step: steps averaged densely before compression starts, an int >= 0.
+      min_compression_rate: compress only where the factors are this many times
+        smaller than the matrix; > 0.
+      error_feedback: keep ``e`` per device and add it to the next step's gradient.
+      warm_start: start each step from the last step's Q (zero columns redrawn).
+      seed: seed of the standard normal Q draws, ``fold_in(key(seed), step)``, >= 0.
+      mask: ``None``, or (as optax's ``mask``) a pytree of bools, or a callable of
+        the params/gradients giving one: False keeps a leaf dense (a tied embedding).
+      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every collective;
+        the factors are computed in float32 (float64 for float64 gradients).
       algorithm: as in :func:`jaxcomm.allreduce`.
       backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`;
-      ``jaxcomm.get_stats(state)`` reads what the last step sent, with
-      ``density`` the bytes sent over those of a dense step. A non-finite
-      result (an inf or NaN in any device's gradient spreads to every device
-      through P) is returned as it is and flagged in the stats on every
-      device, and this transform's state stays as it was, so a step that
-      ``optax.apply_if_finite`` skips leaves no trace.
-
-      Options are checked when it is built, without starting JAX's backends.
+      ``jaxcomm.get_stats(state).density`` is the bytes sent over a dense step's. A
+      non-finite result is returned as it is and flagged on every device, and the
+      state is kept, so a step that ``optax.apply_if_finite`` skips leaves no trace.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
@@ -185,6 +146,11 @@ def powersgd(
       3
       >>> round(float(stats.density), 4)  # (2 * (64 + 32) + 32) / (64 * 32 + 32)
       0.1077
+
+    References:
+      Vogels, Karimireddy and Jaggi, `PowerSGD: Practical Low-Rank Gradient
+      Compression for Distributed Optimization <https://arxiv.org/abs/1905.13727>`_,
+      NeurIPS 2019.
     """
     rank, start_step, min_compression_rate, seed = _check_options(
         rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask
@@ -193,16 +159,26 @@ def powersgd(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
 
+    # Each tree's leaves as init saw them: whole shapes and the mesh axes of
+    # each dimension, where params are sharded over other axes than
+    # axis_name ("fsdp"); update sees only its shards.
+    layouts: dict = {}
+
     def matrices(tree, leaves) -> list[_Matrix]:
-        return _matrices(leaves, rank, min_compression_rate, _allowed(mask, tree))
+        layout = layouts.get(jax.tree.structure(tree))
+        return _matrices(leaves, rank, min_compression_rate, _allowed(mask, tree), layout)
 
     def init(params):
-        leaves = jax.tree.leaves(params)
+        leaves, treedef = jax.tree.flatten(params)
+        layouts[treedef] = tuple(_layout(x) for x in leaves)
         mats = matrices(params, leaves)
         residual = ()
         if error_feedback:
             residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
-        q = _draw(seed, 0, mats, _factor_dtype(leaves, mats)) if warm_start else ()
+        q = ()
+        if warm_start:
+            q = _draw(seed, 0, mats, _factor_dtype(leaves, mats))
+            q = tuple(_place_q(x, m) for x, m in zip(q, mats, strict=True))
         return PowerSGDState(residual=residual, q=q, count=jnp.int32(0), stats=_state.empty_stats())
 
     def update(updates, state, params=None):
@@ -220,9 +196,8 @@ def powersgd(
             return reduced, residual, state.q, jnp.float32(payload), jnp.int32(count)
 
         def compressed_step():
-            q0 = _start_q(state, seed, mats, dtype)
             out, new_residual, q, payload, count = _power_step(
-                leaves, residual, q0, mats, dtype, bound, error_feedback
+                leaves, residual, state, seed, mats, dtype, bound, error_feedback
             )
             # The two branches of the cond must agree on which values vary
             # per device; state carried as varying (one row per device) stays so.
@@ -262,7 +237,7 @@ def powersgd(
         new = jax.tree.map(lambda a, b: jnp.where(nonfinite, a, b), kept, new)
         return out, new
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
 
 
 def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask):
@@ -319,18 +294,53 @@ def _vary_like(new, old):
     return jax.tree.map(one, new, old)
 
 
-def _matrices(leaves, rank: int, min_compression_rate: float, allowed) -> list[_Matrix]:
+def _layout(x) -> tuple:
+    """(whole shape, mesh axes of each dimension) of a param as placed."""
+    spec = _state.placed_spec(x) or (None,) * len(np.shape(x))
+    axes = tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+    return tuple(np.shape(x)), axes
+
+
+def _matrices(
+    leaves, rank: int, min_compression_rate: float, allowed, layout=None
+) -> list[_Matrix]:
     """The leaves worth compressing (and `allowed`, unless None), in tree
-    order, with their matrix views."""
+    order, with their matrix views. `layout` (from :func:`_layout`, per
+    leaf) gives the whole shapes of sharded leaves; a leaf split over a
+    dimension past its second is averaged densely, as its local columns
+    would not be one block of the matrix's."""
     out = []
     for i, leaf in enumerate(leaves):
-        shape = np.shape(leaf)
+        shape, axes = layout[i] if layout is not None else (np.shape(leaf), ())
         if len(shape) < 2 or (allowed is not None and not allowed[i]):
+            continue
+        if any(axes[2:]):
             continue
         rows, cols = shape[0], math.prod(shape[1:])
         if (rows + cols) * rank * min_compression_rate <= rows * cols:
-            out.append(_Matrix(i, rows, cols, min(rank, rows, cols)))
+            row_axes, col_axes = (axes[0], axes[1]) if axes else ((), ())
+            out.append(_Matrix(i, rows, cols, min(rank, rows, cols), row_axes, col_axes))
     return out
+
+
+def _place_q(q, m: _Matrix):
+    """A warm-start Q of `m`, split over the mesh axes of m's columns where
+    init runs under a mesh (its rows are the matrix's columns)."""
+    if not m.col_axes or isinstance(q, jax.core.Tracer):
+        return q
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return q
+    spec = jax.sharding.PartitionSpec(m.col_axes, None)
+    return jax.device_put(q, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _block(x, axes: tuple, size: int):
+    """This device's block of `size` rows of `x`, split over mesh `axes`."""
+    if not axes:
+        return x
+    start = jax.lax.axis_index(axes) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
 def _factor_dtype(leaves, mats):
@@ -344,21 +354,33 @@ def _draw(seed: int, step, mats, dtype) -> tuple:
     total = sum(m.cols * m.rank for m in mats)
     key = jax.random.fold_in(jax.random.key(seed), step)
     flat = jax.random.normal(key, (total,), jnp.float32).astype(dtype)
-    return tuple(_split(flat, [(m.cols, m.rank) for m in mats]))
+    return tuple(_flat.split(flat, [(m.cols, m.rank) for m in mats]))
 
 
-def _start_q(state, seed: int, mats, dtype) -> list:
-    """This step's Q: the last one (zero columns drawn afresh) or a fresh draw."""
+def _start_q(state, seed: int, mats, dtype, ms) -> list:
+    """This step's Q: the last one (zero columns drawn afresh) or a fresh
+    draw; of a matrix with split columns, the rows of this device's columns
+    (`ms`: the local matrices)."""
     fresh = _draw(seed, state.count, mats, dtype)
+    fresh = [_block(f, m.col_axes, mm.shape[1]) for f, m, mm in zip(fresh, mats, ms, strict=True)]
     if not state.q:
         return list(fresh)
     return [jnp.where(jnp.all(q == 0, axis=0), f, q) for q, f in zip(state.q, fresh, strict=True)]
 
 
-def _power_step(leaves, residual, q0, mats, dtype, bound, error_feedback: bool):
+def _power_step(leaves, residual, state, seed, mats, dtype, bound, error_feedback: bool):
     """One compressed step: (result leaves, new residuals, new Q, payload
-    bytes, collectives)."""
-    ms = [leaves[m.leaf].reshape(m.rows, m.cols).astype(dtype) for m in mats]
+    bytes, collectives).
+
+    A matrix split over other mesh axes (a sharded model) is compressed
+    shard by shard: P = M Q summed over the axes of its columns, Q = M^T P
+    over those of its rows (sums of r columns), and P's columns made
+    orthonormal from P gathered over the axes of its rows (rows x r, a
+    fraction r/cols of the matrix); each device sends its own rows of P and
+    of Q over the reduced axes.
+    """
+    ms = [leaves[m.leaf].reshape(np.shape(leaves[m.leaf])[0], -1).astype(dtype) for m in mats]
+    q0 = _start_q(state, seed, mats, dtype, ms)
     if error_feedback:
         ms = [mm + e.reshape(mm.shape).astype(dtype) for mm, e in zip(ms, residual, strict=True)]
     compressed = {m.leaf for m in mats}
@@ -366,10 +388,16 @@ def _power_step(leaves, residual, q0, mats, dtype, bound, error_feedback: bool):
         leaves, [i for i in range(len(leaves)) if i not in compressed], bound
     )
 
-    ps = [jnp.matmul(mm, q, precision=_PRECISION) for mm, q in zip(ms, q0, strict=True)]
+    ps = [
+        _psum(jnp.matmul(mm, q, precision=_PRECISION), m.col_axes)
+        for mm, q, m in zip(ms, q0, mats, strict=True)
+    ]
     ps = bound.allreduce_bucket(ps)
-    ps = [_orthonormal_columns(p) for p in ps]
-    qs = [jnp.matmul(mm.T, p, precision=_PRECISION) for mm, p in zip(ms, ps, strict=True)]
+    ps = [_orthonormal_rows_block(p, m.row_axes) for p, m in zip(ps, mats, strict=True)]
+    qs = [
+        _psum(jnp.matmul(mm.T, p, precision=_PRECISION), m.row_axes)
+        for mm, p, m in zip(ms, ps, mats, strict=True)
+    ]
     qs = bound.allreduce_bucket(qs)
     payload += sum(bound.payload_bytes(p.size + q.size, dtype) for p, q in zip(ps, qs, strict=True))
 
@@ -395,6 +423,19 @@ def _orthonormal_columns(p):
     return q * jnp.where(diagonal < 0, -1, 1).astype(q.dtype) * (diagonal != 0).astype(q.dtype)
 
 
+def _psum(x, axes: tuple):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _orthonormal_rows_block(p, axes: tuple):
+    """:func:`_orthonormal_columns` of P whose rows are split over `axes`:
+    this device's rows of the result."""
+    if not axes:
+        return _orthonormal_columns(p)
+    whole = jax.lax.all_gather(p, axes, axis=0, tiled=True)
+    return _block(_orthonormal_columns(whole), axes, p.shape[0])
+
+
 def _mean_in_buckets(leaves, indices, bound):
     """The mean of leaves[indices] in one collective per dtype; returns (all
     leaves, the reduced ones replaced; payload bytes; collectives)."""
@@ -404,12 +445,3 @@ def _mean_in_buckets(leaves, indices, bound):
     for i, x in zip(indices, reduced, strict=True):
         out[i] = x
     return out, payload, count
-
-
-def _split(flat, shapes) -> list:
-    parts, offset = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        parts.append(flat[offset : offset + n].reshape(shape))
-        offset += n
-    return parts

@@ -15,6 +15,7 @@
 
 #include "check.h"
 #include "common/algorithm_code.h"
+#include "common/codes.h"
 #include "cuda/collective.h"
 #include "cuda/communicators.h"
 #include "cuda/handlers.h"
@@ -152,7 +153,7 @@ struct AllReduceArgs {
   int32_t algorithm = 0, nranks = kRanks, intra_size = 1, wire_dtype = -1;
   double prescale = 1.0, postscale = 1.0;
   int64_t chunk_size = 0, max_chunks = 0;
-  int32_t unselected = 0;  // 0: keep local values, 1: zeros
+  int32_t unselected = static_cast<int32_t>(jaxcomm::Unselected::kLocal);
 };
 
 std::string CallAllReduce(HostContext& hc, float* x, float* y, int64_t n, int32_t* coords,
@@ -252,12 +253,12 @@ void CheckMaskedHandler(int64_t op_id) {
       // max_chunks 0 (all), 2 (chunks 0 and 3 only), 9 (more than there are).
       for (int call = 0; call < 6; ++call) {
         const int64_t max_chunks = std::vector<int64_t>{0, 2, 9}[call % 3];
-        const int32_t unselected = call / 3;
+        const auto unselected = call < 3 ? jaxcomm::Unselected::kLocal : jaxcomm::Unselected::kZero;
         std::vector<float> y(n, -1000.0f);
         AllReduceArgs a{op_id};
         a.chunk_size = chunk;
         a.max_chunks = max_chunks;
-        a.unselected = unselected;
+        a.unselected = static_cast<int32_t>(unselected);
         const int waits = host::HostWaits();
         const std::string err = CallAllReduce(hc, x.data(), y.data(), n, coords, mask, nchunks, a);
         const int waited = host::HostWaits() - waits;
@@ -270,7 +271,7 @@ void CheckMaskedHandler(int64_t op_id) {
           const bool sum = mask[c] && (max_chunks == 0 || reduced < max_chunks);
           reduced += sum ? 1 : 0;
           for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
-            float want = unselected == 1 ? 0.0f : x[i];
+            float want = unselected == jaxcomm::Unselected::kZero ? 0.0f : x[i];
             if (sum) {
               want = 0;
               for (int q = 0; q < kRanks; ++q) want += Value(q, i);

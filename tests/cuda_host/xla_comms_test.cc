@@ -19,6 +19,7 @@
 
 #include "check.h"
 #include "common/algorithm_code.h"
+#include "common/codes.h"
 #include "common/dtype.h"
 #include "cuda/handlers.h"
 #include "fake_xla_collectives.h"
@@ -167,7 +168,7 @@ struct AllReduceCall {
   std::vector<int> mask = {};  // chunk mask; empty: every element
   int64_t chunk_size = 0, max_chunks = 0;
   RankOrder order = RankOrder::kGroupPosition;
-  int32_t unselected = 0;  // 0: unselected chunks keep local values, 1: zeros
+  jaxcomm::Unselected unselected = jaxcomm::Unselected::kLocal;
 };
 
 struct Outcome {
@@ -193,7 +194,7 @@ Outcome RunAllReduce(const AllReduceCall& c) {
             wire_dtype = c.wire_dtype;
     int32_t nranks = static_cast<int32_t>(c.groups[0].size());
     int64_t chunk_size = c.chunk_size, max_chunks = c.max_chunks;
-    int32_t unselected = c.unselected;
+    int32_t unselected = static_cast<int32_t>(c.unselected);
     double one = 1.0;
     return std::vector<Invocation>{
         Invoke(cuda::AllReduceCudaXlaComms, hc, device, c.order,
@@ -228,7 +229,7 @@ void Fail(const std::string& what) {
 
 // Every device's result: the sum over its group of the selected chunks (the
 // first `max_chunks` selected ones where that is set), its own values (or
-// zeros, `unselected` 1) elsewhere; everything summed without a mask.
+// zeros, Unselected::kZero) elsewhere; everything summed without a mask.
 void CheckSums(const std::string& what, const AllReduceCall& c, const Outcome& o) {
   for (int t = 0; t < kRanks; ++t) {
     const int64_t device = c.first_id + t;
@@ -245,7 +246,7 @@ void CheckSums(const std::string& what, const AllReduceCall& c, const Outcome& o
         for (int64_t k = 0; k < chunk; ++k) selected_before += c.mask[k] != 0;
         summed = c.mask[chunk] != 0 && (c.max_chunks == 0 || selected_before < c.max_chunks);
       }
-      const float rest = c.unselected == 1 ? 0.0f : Value(t, i);
+      const float rest = c.unselected == jaxcomm::Unselected::kZero ? 0.0f : Value(t, i);
       const float want = summed ? GroupSum(c.groups, c.first_id, device, i) : rest;
       wrong += o.out[t][i] != want;
     }
@@ -381,10 +382,10 @@ void CheckMasked() {
   for (int64_t max_chunks : {0, 2, 9}) {
     for (Algorithm algorithm : {Algorithm::kRing, Algorithm::kHierarchical}) {
       AllReduceCall c{kFlat, 0, algorithm, 2, kSameWire, 100, mask, 16, max_chunks};
-      c.unselected = max_chunks == 2 ? 1 : 0;
+      c.unselected = max_chunks == 2 ? jaxcomm::Unselected::kZero : jaxcomm::Unselected::kLocal;
       const std::string what = "masked, max_chunks " + std::to_string(max_chunks) + ", algorithm " +
                                std::to_string(static_cast<int>(algorithm)) + ", unselected " +
-                               std::to_string(c.unselected);
+                               std::to_string(static_cast<int>(c.unselected));
       const Outcome o = RunAllReduce(c);
       CheckSums(what, c, o);
       for (int t = 0; t < kRanks; ++t) CHECK(o.calls[t].execute_waits == 0);

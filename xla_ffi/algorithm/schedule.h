@@ -12,6 +12,7 @@
 
 #include "common/dtype.h"
 #include "common/kernels.h"
+#include "common/reduce_spec.h"
 #include "common/status.h"
 #include "common/transport.h"
 
@@ -24,21 +25,6 @@ struct Range {
   size_t size() const { return end - begin; }
 };
 Range ChunkRange(size_t n, int parts, int c);
-
-// The types and scales of one reduction.
-struct ReduceSpec {
-  DType input;             // dtype of input and output
-  DType wire;              // dtype that travels
-  double prescale = 1.0;   // applied before the cast to the wire type
-  double postscale = 1.0;  // applied to the reduced value before the output cast
-  DType acc() const { return AccumulatorFor(input); }
-  // A prescaled reduction is a mean: its exact value, and every partial sum,
-  // lies within the wire type's range whenever the inputs do, so an overflow
-  // on the wire can only come from rounding up by part of an ulp. Such sums
-  // are clamped to the largest finite wire value instead of becoming inf. A
-  // plain sum is not clamped: its overflow is real.
-  bool saturate() const { return prescale != 1.0; }
-};
 
 // Scratch a schedule needs, sized by AllReduceScratchBytes and carved up by
 // the schedule itself: the caller only supplies one block.

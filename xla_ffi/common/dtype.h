@@ -7,11 +7,19 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/codes.h"
+
 namespace jaxcomm {
 
-// The integer codes are part of the Python <-> C++ contract (see
-// jaxcomm/collectives/_ffi.py, _DTYPE_CODES).
+// The codes of the `wire_dtype` attribute; Python reads them from codes()
+// (common/python_codes.h).
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
+inline constexpr NamedCode<DType> kDTypeNames[] = {
+    {DType::kF32, "float32"},
+    {DType::kF16, "float16"},
+    {DType::kBF16, "bfloat16"},
+    {DType::kF64, "float64"},
+};
 
 inline size_t SizeOf(DType t) {
   switch (t) {
@@ -42,7 +50,7 @@ inline double MaxFinite(DType t) {
   return 0.0;
 }
 
-inline bool IsValidDType(int32_t code) { return code >= 0 && code <= 3; }
+inline bool IsValidDType(int32_t code) { return IsNamedCode(kDTypeNames, code); }
 
 // Values are summed in float32, or float64 for float64 inputs: the wire format
 // only decides what travels, never what precision the adds use.

@@ -3,7 +3,8 @@
 // on CUDA, ...) and hands it to Bind<Op><Site>, which appends the rest. The
 // handler then takes, after its contexts:
 //   allreduce:      x, coords, mask, y, <site>, algorithm, nranks, intra_size,
-//                   wire_dtype, prescale, postscale, chunk_size, max_chunks
+//                   wire_dtype, prescale, postscale, chunk_size, max_chunks,
+//                   unselected
 //   reduce_scatter: x, coords, y, <site>, nranks, wire_dtype, prescale, postscale
 //   all_gather:     x, coords, y, <site>, nranks, wire_dtype
 // <site> names the call's ranks: "op_id" (int64, same on every device of a
@@ -52,7 +53,7 @@ auto BindAllReduce(B&& b) {
       .template Attr<double>("postscale")     // after the reduction
       .template Attr<int64_t>("chunk_size")   // mask granularity, elements
       .template Attr<int64_t>("max_chunks")   // mask: chunk slots packed, 0 = all
-      .template Attr<int32_t>("unselected");  // mask: 0 keeps local values, 1 zeros
+      .template Attr<int32_t>("unselected");  // mask: Unselected code (local values or zeros)
 }
 
 template <Site site, typename B>

@@ -1,6 +1,6 @@
 // The contract every platform's collective handlers share with XLA and with
-// jaxcomm/collectives/_ffi.py: dtype decoding, Status -> ffi::Error, and the
-// argument checks (one message per mistake, whichever platform sees it).
+// jaxcomm/collectives/_ffi_calls.py: dtype decoding, Status -> ffi::Error, and
+// the argument checks (one message per mistake, whichever platform sees it).
 #pragma once
 
 #include <algorithm>
@@ -9,9 +9,11 @@
 #include <optional>
 #include <string>
 
-#include "algorithm/schedule.h"
 #include "common/algorithm_code.h"
+#include "common/chunk_layout.h"
+#include "common/codes.h"
 #include "common/dtype.h"
+#include "common/reduce_spec.h"
 #include "common/status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,15 +56,21 @@ inline ffi::Error Invalid(const std::string& op, const std::string& what) {
   return ffi::Error::InvalidArgument("jaxcomm " + op + ": " + what);
 }
 
+// Decodes an input's dtype, or says what is wrong.
+inline ffi::Error DecodeInput(const std::string& op, ffi::DataType input, DType* in) {
+  auto t = FromFfi(input);
+  if (!t) return Invalid(op, "input dtype must be float32, float16, bfloat16 or float64");
+  *in = *t;
+  return ffi::Error::Success();
+}
+
 // Decodes the input dtype and the wire dtype code (-1: the input's), or says
 // what is wrong.
 inline ffi::Error DecodeTypes(const std::string& op, ffi::DataType input, int32_t wire_code,
                               DType* in, DType* wire) {
-  auto t = FromFfi(input);
-  if (!t) return Invalid(op, "input dtype must be float32, float16, bfloat16 or float64");
-  *in = *t;
+  if (auto err = DecodeInput(op, input, in); !err.success()) return err;
   if (wire_code < 0) {
-    *wire = *t;
+    *wire = *in;
   } else if (IsValidDType(wire_code)) {
     *wire = static_cast<DType>(wire_code);
   } else {
@@ -91,12 +99,20 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
   return CheckCoords(op, coords);
 }
 
-// A chunk mask: one flag per `chunk_size`-element chunk of `elements`
-// (the last chunk may be shorter). Sets `nchunks`, or says what is wrong.
+// The chunks of `elements` (common/chunk_layout.h): sets `nchunks`, or says
+// why `chunk_size` cannot cut them.
+inline ffi::Error CountChunks(const std::string& op, size_t elements, int64_t chunk_size,
+                              int64_t* nchunks) {
+  if (chunk_size <= 0) return Invalid(op, "chunk_size <= 0");
+  *nchunks = static_cast<int64_t>(ChunkCount(elements, static_cast<size_t>(chunk_size)));
+  return ffi::Error::Success();
+}
+
+// A chunk mask: one flag per chunk of `elements`. Sets `nchunks`, or says
+// what is wrong.
 inline ffi::Error CheckChunkMask(const std::string& op, size_t elements, int64_t chunk_size,
                                  size_t mask_entries, int64_t* nchunks) {
-  if (chunk_size <= 0) return Invalid(op, "chunk_size <= 0");
-  *nchunks = (static_cast<int64_t>(elements) + chunk_size - 1) / chunk_size;
+  if (auto err = CountChunks(op, elements, chunk_size, nchunks); !err.success()) return err;
   if (static_cast<int64_t>(mask_entries) != *nchunks) {
     return Invalid(op, "chunk mask has " + std::to_string(mask_entries) +
                            " entries but the input has " + std::to_string(*nchunks) + " chunks");
@@ -108,10 +124,8 @@ inline ffi::Error CheckChunkMask(const std::string& op, size_t elements, int64_t
 // `spec`'s types and scales, `nchunks` (0 without a mask: every element) and
 // `slots`: how many selected chunks are packed, the first `max_chunks` of
 // them (all for 0); chunks selected beyond that are not reduced.
-// `unselected` says what the other chunks of the result hold: the local
-// input (kUnselectedLocal) or zeros (kUnselectedZero).
-inline constexpr int32_t kUnselectedLocal = 0;
-inline constexpr int32_t kUnselectedZero = 1;
+// `unselected` (an Unselected code) says what the other chunks of the result
+// hold: the local input or zeros.
 inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& coords,
                                  const ffi::Buffer<ffi::PRED>& mask, const ffi::AnyBuffer& y,
                                  int32_t algorithm, int32_t wire_dtype, double prescale,
@@ -129,7 +143,7 @@ inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
     return Invalid(op, "output must have x's dtype and size");
   }
-  if (unselected != kUnselectedLocal && unselected != kUnselectedZero) {
+  if (!IsNamedCode(kUnselectedNames, unselected)) {
     return Invalid(op, "unknown unselected code " + std::to_string(unselected));
   }
   *nchunks = *slots = 0;

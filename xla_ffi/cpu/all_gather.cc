@@ -35,7 +35,8 @@ ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
       nranks,
       1,
       Algorithm::kRing,
-      Fingerprint({3, static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)})};
+      Fingerprint(OpTag::kAllGather,
+                  {static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)})};
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "algorithm/schedule.h"
+#include "common/chunk_layout.h"
+#include "common/codes.h"
 #include "common/ffi_bindings.h"
 #include "common/ffi_contract.h"
 #include "cpu/async.h"
@@ -67,7 +69,7 @@ std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk
                                   size_t slots) {
   std::vector<Range> ranges;
   for (size_t c = 0; c < nchunks && ranges.size() < slots; ++c) {
-    if (mask[c]) ranges.push_back({c * chunk_size, std::min(n, (c + 1) * chunk_size)});
+    if (mask[c]) ranges.push_back({c * chunk_size, c * chunk_size + ChunkLength(c, n, chunk_size)});
   }
   return ranges;
 }
@@ -140,26 +142,27 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
-  const CallSite site{"allreduce",
-                      run_id.run_id,
-                      op_id,
-                      device,
-                      group,
-                      rank,
-                      nranks,
-                      intra_size,
-                      static_cast<Algorithm>(algorithm),
-                      Fingerprint({1, static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                   static_cast<int>(spec.wire), algorithm, intra_size, chunk_size,
-                                   masked ? static_cast<int64_t>(packed) : -1,
-                                   masked ? static_cast<int64_t>(chunks.size()) : -1})};
+  const CallSite site{
+      "allreduce",
+      run_id.run_id,
+      op_id,
+      device,
+      group,
+      rank,
+      nranks,
+      intra_size,
+      static_cast<Algorithm>(algorithm),
+      Fingerprint(OpTag::kAllReduce, {static_cast<int64_t>(n), static_cast<int>(spec.input),
+                                      static_cast<int>(spec.wire), algorithm, intra_size,
+                                      chunk_size, masked ? static_cast<int64_t>(packed) : -1,
+                                      masked ? static_cast<int64_t>(chunks.size()) : -1})};
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
   const Algorithm algo = ScheduleOf(site);
   // Only the selected chunks travel: pack them, reduce, unpack; the other
   // chunks keep the local values or are zeroed.
-  const bool zero = unselected == kUnselectedZero;
+  const bool zero = static_cast<Unselected>(unselected) == Unselected::kZero;
   if (algo == Algorithm::kDirect) {
     if (!masked) return ArriveDirectFuture(site, spec, {n}, {in}, {out});
     return AllReduceDirectMasked(site, spec, in, out, n, chunks, packed, zero);

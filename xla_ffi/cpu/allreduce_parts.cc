@@ -98,7 +98,8 @@ ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ff
                       nranks,
                       intra_size,
                       static_cast<Algorithm>(algorithm),
-                      Fingerprint({2, static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
+                      Fingerprint(OpTag::kAllReduceParts,
+                                  {static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
                                    static_cast<int>(spec.wire), algorithm, intra_size,
                                    static_cast<int64_t>(sizes)})};
   const Algorithm algo = ScheduleOf(site);

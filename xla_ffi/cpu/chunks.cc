@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/chunk_layout.h"
 #include "common/ffi_contract.h"
 #include "cpu/handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -24,11 +25,11 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The chunks of a pool of `n` elements: every one but the last is full.
+// The chunks of a pool of `n` elements (common/chunk_layout.h).
 struct Chunks {
   size_t n, size, count;
   size_t Begin(size_t c) const { return c * size; }
-  size_t End(size_t c) const { return c + 1 == count ? n : (c + 1) * size; }
+  size_t End(size_t c) const { return Begin(c) + ChunkLength(c, n, size); }
 };
 
 ffi::Error CheckChunks(const char* op, size_t n, int64_t chunk_size, size_t nchunks,

@@ -16,14 +16,29 @@ uint64_t Rings::bytes_sent() const {
   return total;
 }
 
-uint64_t Fingerprint(std::initializer_list<int64_t> values) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the 8-byte words
-  for (int64_t v : values) {
-    for (int b = 0; b < 8; ++b) {
-      h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xffu;
-      h *= 1099511628211ull;
-    }
+namespace {
+
+// FNV-1a over the 8-byte words.
+constexpr uint64_t kFnvOffset = 1469598103934665603ull;
+uint64_t Mix(uint64_t h, int64_t v) {
+  for (int b = 0; b < 8; ++b) {
+    h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xffu;
+    h *= 1099511628211ull;
   }
+  return h;
+}
+
+}  // namespace
+
+uint64_t Fingerprint(std::initializer_list<int64_t> values) {
+  uint64_t h = kFnvOffset;
+  for (int64_t v : values) h = Mix(h, v);
+  return h;
+}
+
+uint64_t Fingerprint(OpTag op, std::initializer_list<int64_t> values) {
+  uint64_t h = Mix(kFnvOffset, static_cast<int64_t>(op));
+  for (int64_t v : values) h = Mix(h, v);
   return h;
 }
 

@@ -11,6 +11,7 @@
 
 #include "algorithm/schedule.h"
 #include "common/algorithm_code.h"
+#include "common/codes.h"
 #include "cpu/cpu_transport.h"
 #include "cpu/rendezvous.h"
 
@@ -47,6 +48,8 @@ Status RunCollective(const CallSite& site, const std::function<Status(Rings&)>& 
 bool CrossesProcesses(const CallSite& site);
 
 uint64_t Fingerprint(std::initializer_list<int64_t> values);
+// What the ranks of one call must agree on: `op`, then `values`.
+uint64_t Fingerprint(OpTag op, std::initializer_list<int64_t> values);
 
 // The [group, rank] of a call: the coords operand, or, where its group is
 // negative (across processes), what Python registered for this device at trace time.

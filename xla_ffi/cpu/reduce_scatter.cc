@@ -28,17 +28,11 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
-  const CallSite site{"reduce_scatter",
-                      run_id.run_id,
-                      op_id,
-                      device,
-                      group,
-                      rank,
-                      nranks,
-                      1,
-                      Algorithm::kRing,
-                      Fingerprint({2, static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                   static_cast<int>(spec.wire)})};
+  const uint64_t fingerprint = Fingerprint(
+      OpTag::kReduceScatter,
+      {static_cast<int64_t>(n), static_cast<int>(spec.input), static_cast<int>(spec.wire)});
+  const CallSite site{"reduce_scatter", run_id.run_id, op_id, device, group, rank, nranks, 1,
+                      Algorithm::kRing, fingerprint};
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {

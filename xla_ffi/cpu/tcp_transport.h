@@ -4,7 +4,7 @@
 // processes listens on a socket of its own, opened at trace time on the
 // address the job's collectives use; Python publishes every rank's address
 // through the jax.distributed key-value store and registers them here before
-// the first call (jaxcomm/collectives/_ffi.py). A rank connects to the peers
+// the first call (jaxcomm/collectives/_peers.py). A rank connects to the peers
 // it sends to and accepts the peers it receives from, on first use, and keeps
 // the connections for later calls. Ranks of one process talk over TCP too
 // (loopback), so every pair of ranks is reached the same way.

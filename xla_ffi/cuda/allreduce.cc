@@ -47,7 +47,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
     // past the selected ones: nothing waits for the device to count them.
     const bool* selected = mask.typed_data();
     const size_t packed = std::min(n, static_cast<size_t>(slots * chunk_size));
-    if (unselected == kUnselectedZero) {
+    if (static_cast<Unselected>(unselected) == Unselected::kZero) {
       k.Zero(out, n * isz);
     } else {
       k.Convert(out, spec.input, in, spec.input, n, 1.0);

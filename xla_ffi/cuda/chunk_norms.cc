@@ -13,20 +13,17 @@ namespace ffi = xla::ffi;
 
 ffi::Error ChunkNormsImpl(cudaStream_t stream, ffi::AnyBuffer x,
                           ffi::Result<ffi::Buffer<ffi::F32>> norms, int64_t chunk_size) {
-  auto type = FromFfi(x.element_type());
-  if (!type) {
-    return ffi::Error::InvalidArgument(
-        "jaxcomm chunk_norms: input dtype must be float32, float16, bfloat16 or float64");
-  }
-  if (chunk_size <= 0) return ffi::Error::InvalidArgument("jaxcomm chunk_norms: chunk_size <= 0");
+  constexpr const char* kOp = "chunk_norms";
+  DType type;
+  if (auto err = DecodeInput(kOp, x.element_type(), &type); !err.success()) return err;
   const size_t n = x.element_count();
-  const size_t nchunks = (n + chunk_size - 1) / chunk_size;
-  if (norms->element_count() != nchunks) {
-    return ffi::Error::InvalidArgument("jaxcomm chunk_norms: output must hold " +
-                                       std::to_string(nchunks) + " norms");
+  int64_t nchunks = 0;
+  if (auto err = CountChunks(kOp, n, chunk_size, &nchunks); !err.success()) return err;
+  if (static_cast<int64_t>(norms->element_count()) != nchunks) {
+    return Invalid(kOp, "output must hold " + std::to_string(nchunks) + " norms");
   }
   return ToError(
-      LaunchChunkL1Norms(stream, x.untyped_data(), *type, n, chunk_size, norms->typed_data()));
+      LaunchChunkL1Norms(stream, x.untyped_data(), type, n, chunk_size, norms->typed_data()));
 }
 
 }  // namespace

@@ -12,22 +12,17 @@
 namespace jaxcomm::cuda {
 namespace {
 
+// The same checks, and messages, as the CPU handlers' chunk masks.
 ffi::Error CheckChunks(const char* op, ffi::AnyBuffer x, ffi::Buffer<ffi::PRED> mask,
                        int64_t chunk_size, size_t* elem_bytes) {
-  auto type = FromFfi(x.element_type());
-  if (!type) {
-    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op +
-                                       ": dtype must be float32, float16, bfloat16 or float64");
+  DType type;
+  if (auto err = DecodeInput(op, x.element_type(), &type); !err.success()) return err;
+  int64_t nchunks = 0;
+  if (auto err = CheckChunkMask(op, x.element_count(), chunk_size, mask.element_count(), &nchunks);
+      !err.success()) {
+    return err;
   }
-  if (chunk_size <= 0) {
-    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op + ": chunk_size <= 0");
-  }
-  const size_t nchunks = (x.element_count() + chunk_size - 1) / chunk_size;
-  if (mask.element_count() != nchunks) {
-    return ffi::Error::InvalidArgument(std::string("jaxcomm ") + op + ": chunk mask must have " +
-                                       std::to_string(nchunks) + " entries");
-  }
-  *elem_bytes = SizeOf(*type);
+  *elem_bytes = SizeOf(type);
   return ffi::Error::Success();
 }
 
@@ -48,7 +43,7 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x,
   size_t isz = 0;
   if (auto err = CheckChunks("pack_chunks", x, mask, chunk_size, &isz); !err.success()) return err;
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
-    return ffi::Error::InvalidArgument("jaxcomm pack_chunks: output must be like x");
+    return Invalid("pack_chunks", "output must be like x");
   }
   const size_t n = x.element_count();
   if (n == 0) return ffi::Error::Success();
@@ -77,7 +72,7 @@ ffi::Error UnpackImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer pack
   }
   if (packed.element_type() != x.element_type() || y->element_type() != x.element_type() ||
       packed.element_count() != x.element_count() || y->element_count() != x.element_count()) {
-    return ffi::Error::InvalidArgument("jaxcomm unpack_chunks: packed, x and y must match");
+    return Invalid("unpack_chunks", "packed, x and y must match");
   }
   const size_t n = x.element_count();
   if (n == 0) return ffi::Error::Success();

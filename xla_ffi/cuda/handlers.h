@@ -7,6 +7,7 @@ namespace jaxcomm::cuda {
 extern "C" XLA_FFI_Error* AllReduceCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ReduceScatterCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AllGatherCuda(XLA_FFI_CallFrame* call_frame);
+// The kernels on their own, for tests and benchmarks (testing_registrations).
 extern "C" XLA_FFI_Error* ChunkNormsCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* CastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* PackChunksCuda(XLA_FFI_CallFrame* call_frame);

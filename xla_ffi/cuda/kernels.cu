@@ -8,6 +8,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/chunk_layout.h"
 #include "cuda/check.h"
 #include "cuda/kernels.h"
 
@@ -191,7 +192,7 @@ __global__ void ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask
   const int64_t tile = blockIdx.x % tiles_per_chunk;
   const size_t chunk_begin = static_cast<size_t>(c) * chunk_size;
   const size_t packed_begin = static_cast<size_t>(offsets[c]) * chunk_size;
-  const size_t chunk_len = min(static_cast<size_t>(chunk_size), n - chunk_begin);
+  const size_t chunk_len = ChunkLength(c, n, chunk_size);
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
     const size_t j = static_cast<size_t>(tile) * kTile + k * kThreads + threadIdx.x;
@@ -210,7 +211,7 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
                        const bool* mask, const int32_t* offsets, int64_t chunk_size,
                        int64_t slots) {
   if (n == 0) return Status::Ok();
-  const int64_t nchunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t nchunks = ChunkCount(n, chunk_size);
   const int64_t tiles = (chunk_size + kTile - 1) / kTile;
   const int64_t blocks = nchunks * tiles;
   if (blocks > 0x7fffffffLL) {
@@ -245,7 +246,7 @@ template <typename T>
 __global__ void ZeroPackedTailKernel(const bool* mask, const int32_t* offsets, int64_t nchunks,
                                      int64_t chunk_size, size_t n, size_t size, T* packed) {
   // A short last chunk that is selected ends the packed data early.
-  const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
+  const size_t short_by = chunk_size - ChunkLength(nchunks - 1, n, chunk_size);
   const size_t packed_elems =
       static_cast<size_t>(offsets[nchunks]) * chunk_size - (mask[nchunks - 1] ? short_by : 0);
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(kThreads)
   using Acc = std::conditional_t<T == DType::kF64, double, float>;
   constexpr size_t kVec = kVecBytes / sizeof(Storage);
   const size_t begin = static_cast<size_t>(blockIdx.x) * chunk_size;
-  const size_t len = min(static_cast<size_t>(chunk_size), n - begin);
+  const size_t len = ChunkLength(blockIdx.x, n, chunk_size);
   const Storage* chunk = x + begin;
   const size_t past_boundary = (reinterpret_cast<uintptr_t>(chunk) / sizeof(Storage)) % kVec;
   const size_t head = min(len, (kVec - past_boundary) % kVec);  // elements before the vectors
@@ -445,7 +446,7 @@ Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, siz
 Status LaunchChunkL1Norms(cudaStream_t stream, const void* x, DType type, size_t n,
                           int64_t chunk_size, float* norms) {
   if (n == 0) return Status::Ok();
-  const int64_t nchunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t nchunks = ChunkCount(n, chunk_size);
   if (nchunks > 0x7fffffffLL) {
     return Status(Code::kInvalidArgument, "jaxcomm: too many chunks for one launch");
   }

@@ -1,11 +1,13 @@
-// jaxcomm._ffi_cuda: the CUDA handler capsules, and what Python must hand
-// NCCL before the first call when several processes share a communicator.
-// A separate module so a CPU-only install never loads CUDA or NCCL.
+// jaxcomm._ffi_cuda: the CUDA handler capsules, the integer codes their
+// attributes take, and what Python must hand NCCL before the first call when
+// several processes share a communicator. A separate module so a CPU-only
+// install never loads CUDA or NCCL.
 #include <pybind11/pybind11.h>
 
 #include <cstring>
 #include <string>
 
+#include "common/python_codes.h"
 #include "cuda/communicators.h"
 #include "cuda/handlers.h"
 #include "cuda/runtime.h"
@@ -44,6 +46,13 @@ py::dict Registrations() {
   d["jaxcomm_reduce_scatter"] = Capsule(ReduceScatterCuda);
   d["jaxcomm_all_gather"] = Capsule(AllGatherCuda);
 #endif
+  return d;
+}
+
+// The kernels alone, for the tests and bench/kernels.py to check and time:
+// no jaxcomm call issues them, so jaxcomm does not register them.
+py::dict TestingRegistrations() {
+  py::dict d;
   d["jaxcomm_chunk_norms"] = Capsule(ChunkNormsCuda);
   d["jaxcomm_cast"] = Capsule(CastCuda);
   d["jaxcomm_pack_chunks"] = Capsule(PackChunksCuda);
@@ -83,6 +92,10 @@ PYBIND11_MODULE(_ffi_cuda, m) {
   m.doc() = "jaxcomm's CUDA XLA FFI handlers (NCCL) and their communicator set-up.";
   m.def("registrations", &Registrations,
         "Handler name -> PyCapsule (or {stage: PyCapsule}), for platform 'CUDA'.");
+  m.def("testing_registrations", &TestingRegistrations,
+        "The kernel handlers (cast, pack/unpack chunks, chunk norms): name -> PyCapsule, for "
+        "platform 'CUDA'; for tests and benchmarks, not registered by jaxcomm.");
+  jaxcomm::DefineCodes(m);
   m.attr("uses_xla_communicators") = py::bool_(JAXCOMM_XLA_COMMS);
   m.def("nccl_unique_id", &UniqueId, "A fresh ncclUniqueId, as bytes.");
   m.def("register_unique_id", &Register, py::arg("op_id"), py::arg("group"), py::arg("id"),

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/chunk_layout.h"
 #include "cpu/cpu_kernels.h"
 
 namespace jaxcomm::cuda {
@@ -51,10 +52,10 @@ Status LaunchPackChunks(cudaStream_t stream, const void* x, size_t n, size_t ele
                         const bool* mask, const int32_t* offsets, int64_t chunk_size, int64_t slots,
                         void* packed) {
   host_device::Enqueue(stream, [=] {
-    const size_t nchunks = (n + chunk_size - 1) / chunk_size;
+    const size_t nchunks = ChunkCount(n, chunk_size);
     for (size_t c = 0; c < nchunks; ++c) {
       if (!mask[c] || offsets[c] >= slots) continue;
-      const size_t begin = c * chunk_size, len = std::min<size_t>(chunk_size, n - begin);
+      const size_t begin = c * chunk_size, len = ChunkLength(c, n, chunk_size);
       std::memcpy(static_cast<char*>(packed) + offsets[c] * chunk_size * elem_bytes,
                   static_cast<const char*>(x) + begin * elem_bytes, len * elem_bytes);
     }
@@ -66,9 +67,11 @@ Status LaunchZeroPackedTail(cudaStream_t stream, const bool* mask, const int32_t
                             int64_t nchunks, int64_t chunk_size, size_t n, size_t size,
                             size_t elem_bytes, void* packed) {
   host_device::Enqueue(stream, [=] {
-    const size_t short_by = static_cast<size_t>(nchunks) * chunk_size - n;
-    const size_t end = static_cast<size_t>(offsets[nchunks]) * chunk_size -
-                       (nchunks > 0 && mask[nchunks - 1] ? short_by : 0);
+    // A short last chunk that is selected ends the packed data early.
+    const bool short_selected = nchunks > 0 && mask[nchunks - 1];
+    const size_t short_by =
+        short_selected ? chunk_size - ChunkLength(nchunks - 1, n, chunk_size) : 0;
+    const size_t end = static_cast<size_t>(offsets[nchunks]) * chunk_size - short_by;
     if (end < size) {
       std::memset(static_cast<char*>(packed) + end * elem_bytes, 0, (size - end) * elem_bytes);
     }
@@ -80,10 +83,10 @@ Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, siz
                           const bool* mask, const int32_t* offsets, int64_t chunk_size,
                           int64_t slots, void* y) {
   host_device::Enqueue(stream, [=] {
-    const size_t nchunks = (n + chunk_size - 1) / chunk_size;
+    const size_t nchunks = ChunkCount(n, chunk_size);
     for (size_t c = 0; c < nchunks; ++c) {
       if (!mask[c] || offsets[c] >= slots) continue;
-      const size_t begin = c * chunk_size, len = std::min<size_t>(chunk_size, n - begin);
+      const size_t begin = c * chunk_size, len = ChunkLength(c, n, chunk_size);
       std::memcpy(static_cast<char*>(y) + begin * elem_bytes,
                   static_cast<const char*>(packed) + offsets[c] * chunk_size * elem_bytes,
                   len * elem_bytes);

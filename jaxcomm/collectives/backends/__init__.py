@@ -1,0 +1,107 @@
+"""Backends: one class per implementation of the collectives, chosen here.
+
+``backend="auto" | "xla" | "ffi"`` (or a :class:`Backend` of your own) is
+resolved in two stages because JAX starts its backends on first use, which
+``jax.distributed.initialize`` must precede: what needs no platform is
+decided and checked when a transform is built (:func:`check`), the rest at
+trace time (:func:`resolve`). This module and the classes it returns are
+the only code that asks which platform jaxcomm runs on.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+
+from jaxcomm.collectives import _checks, _extension
+from jaxcomm.collectives.backends.base import Backend
+from jaxcomm.collectives.backends.cpu_ffi import CpuFfiBackend
+from jaxcomm.collectives.backends.cuda_ffi import CudaFfiBackend
+from jaxcomm.collectives.backends.ffi import DEFAULT_BUCKET_BYTES, FfiBackend
+from jaxcomm.collectives.backends.xla import XlaBackend, XlaCpuBackend
+
+_BY_NAME = {"xla": XlaBackend, "ffi": FfiBackend}
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Backend",
+    "CpuFfiBackend",
+    "CudaFfiBackend",
+    "FfiBackend",
+    "XlaBackend",
+    "XlaCpuBackend",
+    "check",
+    "resolve",
+]
+
+
+def _prefers_ffi(masked: bool, wire) -> bool:
+    """'auto' leans to ffi with a chunk mask (the only backend that sends
+    just the selected chunks without a static bound) and with a 16-bit wire
+    (XLA's CPU all-reduce adds float16 in float16, and widens bfloat16 to
+    float32); never for an FP8 wire, whose schedule only xla has."""
+    return not wire.fp8 and (masked or wire.narrow)
+
+
+def check(backend, algorithm: str, axes: tuple, wire, *, masked: bool = False):
+    """The checks that need no platform, run when a transform is built.
+    Returns the backend as far as it is decided: a :class:`Backend`, ``"xla"``,
+    ``"ffi"`` (its handler not checked yet), or ``"auto"`` (decided at trace
+    time)."""
+    if not isinstance(backend, Backend):
+        _checks.check_choice("backend", backend, _checks.BACKENDS)
+        if backend == "auto" and not _prefers_ffi(masked, wire):
+            backend = "xla"
+    _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
+    if algorithm == "hierarchical" and len(axes) != 2:
+        raise ValueError(
+            f"algorithm='hierarchical' needs axis_name=(inter_axis, intra_axis), got {axes!r}"
+        )
+    cls = type(backend) if isinstance(backend, Backend) else _BY_NAME.get(backend)
+    if cls is not None:
+        cls.check_options(algorithm, wire)
+    return backend
+
+
+def resolve(backend, *, masked: bool = False, wire) -> Backend:
+    """The backend that runs here, at trace time.
+
+    ``"auto"`` is xla for a collective in the input's dtype: on CPU lax.psum
+    is as fast as the ffi direct schedule from 16 MiB up and faster below
+    (bench/allreduce.py). With a chunk mask or a 16-bit wire it is ffi where
+    the CPU handlers run in one process. Across processes on CPU the ffi
+    handlers run over TCP, which has not been compared with gloo widely
+    enough to be the default; on GPU the CUDA handlers have not run across
+    GPUs, so 'auto' does not choose them: xla packs under a bound.
+    """
+    if isinstance(backend, Backend):
+        return backend
+    _checks.check_choice("backend", backend, _checks.BACKENDS)
+    platform = jax.default_backend()
+    if backend == "auto":
+        single = jax.process_count() == 1
+        if _prefers_ffi(masked, wire) and single and platform == "cpu" and _extension.available():
+            return CpuFfiBackend()
+        backend = "xla"
+    if backend == "xla":
+        if platform == "cpu" and _extension.available("cpu"):
+            return XlaCpuBackend()
+        return XlaBackend()
+    _extension.require()
+    if platform == "gpu":
+        _warn_gpu_unverified()
+        return CudaFfiBackend()
+    return CpuFfiBackend()
+
+
+@functools.cache
+def _warn_gpu_unverified() -> None:
+    warnings.warn(
+        "backend='ffi' on GPU: jaxcomm's CUDA handlers have run on one GPU only "
+        "(tools/gpu_check.sh); their NCCL transport across GPUs or processes has "
+        "never run. Compare with backend='xla' before you rely on it.",
+        UserWarning,
+        stacklevel=4,
+    )

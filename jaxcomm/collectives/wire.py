@@ -1,0 +1,113 @@
+"""What travels: the wire dtype, checked once, and the scaling policy that
+goes with it.
+
+Every backend follows one contract: ``cast(x * prescale)`` travels, the
+reduced value is multiplied by ``postscale`` and cast back. A narrow wire
+(16 or 8 bits) rounds float32 values, and float16 overflows where float32
+does not, so a narrow wire always divides by N before the cast: a transform
+that wants a sum reduces a mean and multiplies by N afterwards, in float32
+(:meth:`Wire.collective_op`, :meth:`Wire.scales_back`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm.collectives import _fp8
+
+DTYPES = (
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float64,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(np.dtype(d).name for d in dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """A checked wire dtype; build it with :meth:`Wire.of`.
+
+    Attributes:
+      dtype: the dtype that travels, or ``None`` for the input's own.
+    """
+
+    dtype: np.dtype | None = None
+
+    @classmethod
+    def of(cls, wire_dtype) -> Wire:
+        """Checks `wire_dtype` (``None``, a dtype or its name, or a Wire).
+
+        Examples:
+          >>> from jaxcomm.collectives import Wire
+          >>> Wire.of("bfloat16").narrow, Wire.of(None).narrow
+          (True, False)
+          >>> Wire.of("int8")  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          TypeError: wire_dtype=int8 is not supported; use None or one of float16, ...
+        """
+        if isinstance(wire_dtype, Wire):
+            return wire_dtype
+        if wire_dtype is None:
+            return cls(None)
+        try:
+            dtype = np.dtype(wire_dtype)
+        except TypeError as e:
+            raise TypeError(
+                f"wire_dtype={wire_dtype!r} is not a dtype; use None or one of {_names(DTYPES)}"
+            ) from e
+        if dtype not in [np.dtype(d) for d in DTYPES]:
+            raise TypeError(
+                f"wire_dtype={dtype.name} is not supported; use None or one of {_names(DTYPES)}"
+            )
+        return cls(dtype)
+
+    @property
+    def name(self) -> str | None:
+        return None if self.dtype is None else self.dtype.name
+
+    @property
+    def narrow(self) -> bool:
+        """A 16- or 8-bit wire: it rounds float32 values (what error feedback keeps)."""
+        return self.dtype is not None and self.dtype.itemsize < 4
+
+    @property
+    def fp8(self) -> bool:
+        """An 8-bit float wire, scaled per device and part (see _fp8.py)."""
+        return self.dtype is not None and self.dtype in _fp8.WIRES
+
+    def for_input(self, dtype) -> np.dtype:
+        """The dtype that travels for an input of `dtype`."""
+        return np.dtype(dtype) if self.dtype is None else self.dtype
+
+    def scales(self, op: str, size: int, dtype) -> tuple[np.dtype, float, float]:
+        """(wire dtype, prescale, postscale) for an input of `dtype` reduced
+        over `size` devices. A mean whose input is cast divides before the
+        cast, so large N cannot overflow float16; otherwise it divides at the
+        end. The paths where XLA adds in float16 trade 1/N for a power of two
+        with headroom (_xla.headroom_scales)."""
+        wire = self.for_input(dtype)
+        if op == "sum":
+            return wire, 1.0, 1.0
+        if wire != np.dtype(dtype):
+            return wire, 1.0 / size, 1.0
+        return wire, 1.0, 1.0 / size
+
+    def collective_op(self, op: str) -> str:
+        """The op a transform's collective runs for the transform's `op`: a
+        narrow wire always reduces a mean (prescaled by 1/N before its cast)."""
+        return "mean" if self.narrow else op
+
+    def scales_back(self, op: str) -> bool:
+        """Whether a transform asked for `op` multiplies the collective's mean
+        by N afterwards (a sum over a narrow wire)."""
+        return self.narrow and op == "sum"
