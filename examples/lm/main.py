@@ -10,6 +10,7 @@ Usage::
     python examples/lm/main.py
     python examples/lm/main.py --configs dense,db,db+dc --seeds 0,1 --steps 300
     python examples/lm/main.py --configs csc --density 0.3 --chunk-size 4096
+    python examples/lm/main.py --fsdp 4 --configs dense,bf16,fp16+ef,csc  # a sharded model
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def parse_args(argv=None):
     p.add_argument("--val-bytes", type=int, default=data.VAL_BYTES)
     p.add_argument("--out", default=OUT, help="directory of the PNG and JSON ('' for none)")
     p.add_argument("--tag", default="lm", help="file name stem in --out")
+    p.add_argument(
+        "--fsdp",
+        type=int,
+        default=1,
+        help="shard the model over this many devices (docs/sharded.md); jaxcomm reduces "
+        "over the rest",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars or lines")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -117,6 +125,7 @@ def run_all(args, on_result=None) -> dict:
                 eval_every=args.eval_every,
                 train_bytes=args.train_bytes,
                 val_bytes=args.val_bytes,
+                fsdp=args.fsdp,
             )
             with _progress(f"{name} seed {seed}", args.no_progress) as update:
                 result = train.train(run, progress=update, corpus=corpus)
@@ -182,11 +191,12 @@ def summarize(results: dict) -> list[dict]:
     return rows
 
 
-def print_table(rows, seeds, n_devices, params) -> None:
+def print_table(rows, seeds, n_devices, params, fsdp: int = 1) -> None:
     base = "dense" if any(r["config"] == "dense" for r in rows) else rows[0]["config"]
+    layout = f" (model sharded over {fsdp}, data parallel over {n_devices // fsdp})"
     print(
-        f"\n{n_devices} devices, {params:,} parameters, mean over seeds {seeds}; "
-        f"changes against '{base}'"
+        f"\n{n_devices} devices{layout if fsdp > 1 else ''}, {params:,} parameters, "
+        f"mean over seeds {seeds}; changes against '{base}'"
     )
     head = (
         f"{'config':<10}{'val loss':>16}{'change':>9}{'step ms':>9}{'run s':>8}"
@@ -252,7 +262,7 @@ def main(argv=None) -> int:
     results = run_all(args, on_result=(lambda r: write_json(args, r)) if args.out else None)
     rows = summarize(results)
     params = next(iter(results.values()))[0]["params"]
-    print_table(rows, args.seeds, jax.device_count(), params)
+    print_table(rows, args.seeds, jax.device_count(), params, args.fsdp)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.out:
         plot(results, os.path.join(args.out, f"{args.tag}.png"))

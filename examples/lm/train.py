@@ -5,6 +5,12 @@ It computes gradients on its slice; the jaxcomm transform at the head of the
 optax chain (or ``chunk_sparse`` around AdamW) turns them into the global
 gradient, identical on every device.
 
+With ``fsdp`` > 1 the model is sharded instead (docs/sharded.md): the devices
+form a (data, fsdp) mesh, each matrix is split over "fsdp", each step gathers
+the params over "fsdp" for the forward pass (autodiff reduce-scatters the
+gradients), and jaxcomm reduces over "data" only, its state sharded like
+the params.
+
 Import this after ``XLA_FLAGS`` asks for several host devices (``main.py``
 does); with one device there is nothing to communicate.
 """
@@ -28,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 
 AXIS = "data"
+FSDP = "fsdp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Run:
     context: int = 64
     train_bytes: int = data.TRAIN_BYTES
     val_bytes: int = data.VAL_BYTES
+    fsdp: int = 1
 
 
 def learning_rate(run: Run):
@@ -132,12 +140,59 @@ def _loss(graphdef, params, windows):
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
 
-def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = False):
-    """jit(shard_map(step)): params replicated, windows split over the devices.
+def param_specs(params, fsdp: int):
+    """Each matrix split over "fsdp" along its first dimension that `fsdp`
+    divides; vectors, and everything with ``fsdp=1``, whole."""
+
+    def spec(x):
+        if fsdp > 1 and x.ndim >= 2:
+            for d, n in enumerate(x.shape):
+                if n % fsdp == 0:
+                    return P(*[None] * d, FSDP)
+        return P()
+
+    return jax.tree.map(spec, params)
+
+
+def _gathered(params, specs):
+    """The whole params from this device's shards (the FSDP forward)."""
+
+    def whole(x, spec):
+        for d, axis in enumerate(spec):
+            if axis is not None:
+                return jax.lax.all_gather(x, axis, axis=d, tiled=True)
+        return x
+
+    return jax.tree.map(whole, params, specs)
+
+
+def _shard_loss(graphdef, params, windows, specs, fsdp: int):
+    """This device's share of the loss: autodiff's reduce-scatter over
+    "fsdp" sums the shards' gradients, so each divides its mean by fsdp."""
+    return _loss(graphdef, _gathered(params, specs), windows) / fsdp
+
+
+def _mesh(fsdp: int):
+    n = jax.device_count()
+    if fsdp == 1:
+        return jax.make_mesh((n,), (AXIS,))
+    return jax.make_mesh((n // fsdp, fsdp), (AXIS, FSDP))
+
+
+def _rows(fsdp: int):
+    """The windows' spec: over every device."""
+    return P(AXIS) if fsdp == 1 else P((AXIS, FSDP))
+
+
+def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = False, specs=None):
+    """jit(shard_map(step)): params replicated (or sharded as `specs` says,
+    over "fsdp"), windows split over the devices.
 
     The step takes and returns the previous parameters too (unused unless
     ``weight_prediction``).
     """
+    fsdp = dict(mesh.shape).get(FSDP, 1)
+    specs = P() if specs is None else specs
 
     def step(params, previous, opt_state, windows):
         at = params
@@ -148,28 +203,38 @@ def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = Fals
         # This device's own gradient (jax.grad of replicated params would sum
         # it over the devices), so the jaxcomm transform does the only
         # communication.
-        loss, grads = jaxcomm.local_value_and_grad(_loss, AXIS, argnums=1)(graphdef, at, windows)
+        if fsdp == 1:
+            loss_fn, args = _loss, (graphdef, at, windows)
+        else:
+            loss_fn, args = _shard_loss, (graphdef, at, windows, specs, fsdp)
+        loss, grads = jaxcomm.local_value_and_grad(loss_fn, AXIS, argnums=1)(*args)
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if fsdp > 1:
+            loss = jax.lax.psum(loss, FSDP)
         return new_params, params, opt_state, jax.lax.pmean(loss, AXIS)
 
     return jax.jit(
         jax.shard_map(
             step,
             mesh=mesh,
-            in_specs=(P(), P(), state_specs, P(AXIS)),
-            out_specs=(P(), P(), state_specs, P()),
+            in_specs=(specs, specs, state_specs, _rows(fsdp)),
+            out_specs=(specs, specs, state_specs, P()),
         )
     )
 
 
-def make_eval(graphdef, mesh):
+def make_eval(graphdef, mesh, specs=None):
     """Mean next-byte loss (nats) over windows split across the devices."""
+    fsdp = dict(mesh.shape).get(FSDP, 1)
+    specs = P() if specs is None else specs
+    axes = AXIS if fsdp == 1 else (AXIS, FSDP)
 
     def evaluate(params, windows):
-        return jax.lax.pmean(_loss(graphdef, params, windows), AXIS)
+        whole = params if fsdp == 1 else _gathered(params, specs)
+        return jax.lax.pmean(_loss(graphdef, whole, windows), axes)
 
-    return jax.jit(jax.shard_map(evaluate, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+    return jax.jit(jax.shard_map(evaluate, mesh=mesh, in_specs=(specs, _rows(fsdp)), out_specs=P()))
 
 
 def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict:
@@ -195,6 +260,8 @@ def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict
         corpus = data.load_corpus(train_bytes=run.train_bytes, val_bytes=run.val_bytes)
     if run.eval_windows % n:
         raise ValueError(f"eval_windows={run.eval_windows} is not divisible by {n} devices")
+    if run.fsdp < 1 or n % run.fsdp:
+        raise ValueError(f"fsdp={run.fsdp} must be a positive divisor of the {n} devices")
     net = model.ByteTransformer(
         layers=run.layers,
         width=run.width,
@@ -203,17 +270,20 @@ def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict
         rngs=nnx.Rngs(run.seed),
     )
     graphdef, params = nnx.split(net, nnx.Param)
-    mesh = jax.make_mesh((n,), (AXIS,))
+    mesh = _mesh(run.fsdp)
+    pspecs = param_specs(params, run.fsdp)
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), pspecs))
     tx = make_optimizer(run)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # the state is placed like the params, rows per data device
         opt_state = tx.init(params)
     specs = jaxcomm.state_specs(opt_state, AXIS)
     opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    step = make_step(graphdef, tx, mesh, specs, weight_prediction=run.comm.weight_prediction)
+    step = make_step(
+        graphdef, tx, mesh, specs, weight_prediction=run.comm.weight_prediction, specs=pspecs
+    )
     previous = params
-    evaluate = make_eval(graphdef, mesh)
-    split = NamedSharding(mesh, P(AXIS))
+    evaluate = make_eval(graphdef, mesh, pspecs)
+    split = NamedSharding(mesh, _rows(run.fsdp))
     # One window more than the context: inputs are [:-1], targets [1:].
     val_windows = jax.device_put(
         data.fixed_windows(corpus.val, run.eval_windows, run.context + 1), split
