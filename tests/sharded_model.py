@@ -91,15 +91,18 @@ def train_step(tx, m, state_specs):
     )
 
 
-def run(tx, m, steps: int, seed: int = 0):
-    """(params after `steps` steps, final state, the batches), one step in flight."""
+def run(tx, m, steps: int, seed: int = 0, *, start=None, skip: int = 0):
+    """(params after `steps` steps, final state, the batches), one step in
+    flight. `start`: (params, state) to go on from, after `skip` steps."""
     data = batches(steps)
     with jax.set_mesh(m):
         params = place(init_params(seed), m)
         opt_state = tx.init(params)
+        if start is not None:
+            params, opt_state = start
         specs = jaxcomm.state_specs(opt_state, "data")
         step = train_step(tx, m, specs)
-        for x, y in data:
+        for x, y in data[skip:]:
             x, y = jax.device_put((x, y), NamedSharding(m, ROWS))
             params, opt_state = jax.block_until_ready(step(params, opt_state, x, y))
     return params, opt_state, data
