@@ -25,6 +25,11 @@ Workloads:
   gradient exchange configuration: median step time, one step in flight,
   held-out accuracy after every step, and the time to ``--target-acc``
   (steps to reach it x median step time).
+- ``train --fsdp F``: the same MLP sharded (HSDP, docs/sharded.md): its
+  weight matrices split over the F devices of each process ("fsdp"),
+  replicated across processes ("data", the shaped link), each configuration
+  reducing over "data" only; ``dense`` is ``lax.pmean`` over "data" (dense
+  HSDP), the table's ``/ dense`` each mean step over dense's.
 - ``check``: a float16/bfloat16-wire allreduce against a float64 NumPy sum.
 
 Needs root (namespaces); says so and exits 2 where they cannot be made.
@@ -33,6 +38,7 @@ Usage::
 
     python bench/network.py --workload allreduce --rate 100mbit,1gbit --json ar.json
     python bench/network.py --workload train --rate 100mbit --hosts 4
+    python bench/network.py --workload train --fsdp 2 --hosts 2 --rate 1gbit,100mbit
     python bench/network.py --check-link --rate 100mbit,1gbit,10gbit
     python bench/network.py --quick
 """
@@ -53,6 +59,7 @@ import network_worker  # noqa: E402  (imports JAX only when run)
 
 WORKER = os.path.join(REPO, "bench", "network_worker.py")
 ALL_CONFIGS = ",".join(network_worker.TRAIN_CONFIGS)
+FSDP_CONFIGS = "dense,bf16,chunk_sparse,powersgd_r4,diloco_h10"  # --fsdp's default
 QUICK = {
     "hosts": 2,
     "rate": "1gbit",
@@ -111,6 +118,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--features", type=int, help="MLP input width (default 1024)")
     parser.add_argument("--batch-per-device", type=int, default=32)
     parser.add_argument(
+        "--fsdp",
+        type=int,
+        default=0,
+        help="train: shard the MLP over F devices per process, data-parallel across them "
+        f"(default configs {FSDP_CONFIGS})",
+    )
+    parser.add_argument("--params-out", help=argparse.SUPPRESS)  # tests: final params
+    parser.add_argument(
         "--target-acc", type=float, default=0.9, help="train: held-out accuracy to time (0.9)"
     )
     parser.add_argument("--quick", action="store_true", help="a run of a few minutes")
@@ -120,6 +135,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, help=argparse.SUPPRESS)  # tests: teardown
     args = parser.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
+    if args.fsdp:
+        if args.workload != "train" or args.devices_per_host not in (None, args.fsdp):
+            parser.error(f"--fsdp {args.fsdp}: --workload train, --devices-per-host {args.fsdp}")
+        args.devices_per_host = args.fsdp
+        base = {**base, "configs": FSDP_CONFIGS}
     if args.workload == "overlap" and args.paths is None:
         args.paths = "auto"  # lax.psum; add ffi to compare jaxcomm's allreduce
     for key, value in base.items():
@@ -160,7 +180,9 @@ def worker_argv(args) -> list[str]:
     for flag in ("paths", "wires", "sizes_mib", "repeats", "configs", "steps", "hidden"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     argv += ["--features", str(args.features), "--batch-per-device", str(args.batch_per_device)]
-    argv += ["--target-acc", str(args.target_acc)]
+    argv += ["--target-acc", str(args.target_acc), "--fsdp", str(args.fsdp)]
+    if args.params_out:
+        argv += ["--params-out", args.params_out]
     if args.fail_rank is not None:
         argv += ["--fail-rank", str(args.fail_rank)]
     return argv
@@ -215,17 +237,21 @@ def table(rows: list[dict], workload: str) -> str:
         return "\n".join(lines)
     if workload == "train":
         lines = [
-            f"{'config':<19}{'step s':>9}{'loss first -> last':>22}{'accuracy':>10}"
-            f"{'steps to acc':>14}{'time to acc s':>15}"
+            f"{'config':<19}{'step s':>9}{'mean s':>9}{'/ dense':>9}{'loss first -> last':>22}"
+            f"{'accuracy':>10}{'steps to acc':>14}{'time to acc s':>15}"
         ]
+        dense = next(
+            (r["mean_step_s"] for r in rows if r["config"] == "dense" and "step_s" in r), 0
+        )
         for r in rows:
             if "step_s" in r:
                 loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}"
                 acc = f"{r['acc_last']:.3f}" if "acc_last" in r else "-"
                 steps, to_acc = r.get("steps_to_acc"), r.get("time_to_acc_s")
+                ratio = f"{r['mean_step_s'] / dense:.2f}x" if dense else "-"
                 lines.append(
-                    f"{r['config']:<19}{r['step_s']:>9.3f}{loss:>22}{acc:>10}"
-                    f"{'-' if steps is None else steps:>14}"
+                    f"{r['config']:<19}{r['step_s']:>9.3f}{r['mean_step_s']:>9.3f}{ratio:>9}"
+                    f"{loss:>22}{acc:>10}{'-' if steps is None else steps:>14}"
                     f"{'-' if to_acc is None else f'{to_acc:.2f}':>15}"
                 )
             else:
@@ -289,8 +315,8 @@ def run_inside(args) -> int:
                 rows = [add_rates(r, rate) for r in result.rows]
                 all_rows.extend(rows)
                 print(
-                    f"{args.workload}, {args.hosts} hosts x {args.devices_per_host} devices\n"
-                    + table(rows, args.workload),
+                    f"{args.workload}, {args.hosts} hosts x {args.devices_per_host} devices"
+                    f"{', fsdp inside a host' if args.fsdp else ''}\n" + table(rows, args.workload),
                     flush=True,
                 )
                 write_json(args.json, all_rows)

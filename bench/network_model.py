@@ -25,6 +25,13 @@ Reads the JSON rows of ``bench/network.py`` and does two things:
    The FP8 allreduce rows (path ``auto``, not fitted) are predicted with the
    same fit, as a check of the all-to-all + all-gather term alone.
 
+   Sharded rows (``network.py --fsdp F``): only "data" crosses the link, so
+   they are predicted with the fit of ``hosts`` ranks (``--devices-per-host
+   1`` allreduce rows), the payload the process's shards, i.e. the whole
+   model (its F "data" allreduces share the link). DiLoCo (``diloco_h10``)
+   is held to its mean step (one sync in ten). Give them in a ``--train``
+   run of their own: they are grouped with non-sharded rows of as many hosts.
+
    What is measured and what is predicted:
 
    * **compute** (forward, backward, optimizer and every CPU cost of the
@@ -99,6 +106,7 @@ CONFIG_SETTINGS = {
     "fp8": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
     "fp8_ef": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
     "powersgd_r4": Settings(powersgd_rank=4),
+    "diloco_h10": Settings(sync_every=10, bucket_bytes=math.inf),
     # jaxcomm's TCP ring: ffi's default 4 MiB buckets, on the same link.
     "fp16_ffi": Settings(wire_dtype="float16", bucket_bytes=DEFAULT_BUCKET_BYTES),
 }
@@ -284,9 +292,19 @@ def compute_terms(train_rows, fits) -> dict[tuple[int, int, str], tuple[float, i
     return terms
 
 
+def on_data_axis(row: dict) -> dict:
+    """A sharded row as the link sees it: ``hosts`` ranks, each the whole
+    model; DiLoCo's step its mean (syncs included)."""
+    if not row.get("fsdp") or "step_s" not in row:
+        return row
+    step = row["mean_step_s"] if CONFIG_SETTINGS[row["config"]].sync_every else row["step_s"]
+    return {**row, "devices": row["hosts"], "step_s": step}
+
+
 def predict(train_rows, fits) -> list[dict]:
     """One row per timed training row: measured, predicted, and how it was predicted."""
     rows = [r for r in train_rows if "step_s" in r and r.get("config") in CONFIG_SETTINGS]
+    rows = [on_data_axis(r) for r in rows]
     fitted = {key[1:] for key in fits}  # (hosts, devices)
     for group in sorted({(r["hosts"], r["devices"]) for r in rows} - fitted):
         say(

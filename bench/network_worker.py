@@ -20,7 +20,11 @@ Workloads:
   configuration on a fresh batch each step; the median step time, one step
   in flight, and the held-out accuracy after every step: how many steps
   reach ``--target-acc`` and so the time to it (steps x median step time,
-  which leaves out compilation and the evaluations).
+  which leaves out compilation and the evaluations). With ``--fsdp F`` the
+  model is sharded (HSDP, docs/sharded.md): a ("data", "fsdp") mesh, "fsdp"
+  the process's F devices, the weight matrices split over "fsdp" (``FSDP_SPECS``)
+  and gathered in the forward pass, the batch split over both axes, and each
+  configuration exchanging over "data" only; ``dense`` is ``lax.pmean`` over "data".
 - ``overlap``: does XLA's CPU runtime run a collective and compute that does
   not depend on it at the same time? The median time of a program with only
   a chain of matmuls, one with only a ``lax.psum`` of ``--sizes-mib`` (the
@@ -32,6 +36,7 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -66,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-per-device", type=int, default=32)
     parser.add_argument("--target-acc", type=float, default=0.9)
     parser.add_argument("--fail-rank", type=int, default=None)
+    parser.add_argument("--fsdp", type=int, default=0, help="train: shard over F local devices")
+    parser.add_argument("--params-out", help="train: write each config's final params here")
     return parser.parse_args(argv)
 
 
@@ -89,7 +96,14 @@ def describe_error(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:400]}"
 
 
-def host_mesh():
+AXES = ("host", "local")
+# --fsdp: the mesh's axes, and each weight matrix split over "fsdp" (the
+# first layer by rows, the second by columns, the third by rows); biases whole.
+FSDP_AXES = ("data", "fsdp")
+FSDP_SPECS = {"w1": ("fsdp", None), "w2": (None, "fsdp"), "w3": ("fsdp", None)}
+
+
+def host_mesh(names=AXES):
     """(host, local device) mesh: row i holds host i's devices in id order."""
     import jax
     import numpy as np
@@ -97,10 +111,7 @@ def host_mesh():
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     grid = np.array(devices, dtype=object).reshape(jax.process_count(), -1)
-    return Mesh(grid, ("host", "local"))
-
-
-AXES = ("host", "local")
+    return Mesh(grid, names)
 
 
 def wire_dtype(name: str):
@@ -293,6 +304,7 @@ TRAIN_CONFIGS = (
     "fp8",
     "fp8_ef",
     "powersgd_r4",
+    "diloco_h10",
     # The same over jaxcomm's ffi collectives (TCP between processes).
     "allreduce_ffi",
     "fp16_ffi",
@@ -304,8 +316,9 @@ TRAIN_CONFIGS = (
 )
 
 
-def gradient_exchange(config: str, inner):
-    """``None`` for the hand-written pmean baseline, else the optax chain."""
+def gradient_exchange(config: str, inner, axes=AXES):
+    """``None`` for the hand-written pmean baseline, else the optax chain
+    exchanging over ``axes``."""
     import jax.numpy as jnp
     import optax
 
@@ -332,37 +345,55 @@ def gradient_exchange(config: str, inner):
     backend = "ffi" if ffi else "xla"
     if config in options:
         return optax.chain(
-            jaxcomm.allreduce_gradients(AXES, backend=backend, **options[config]), inner
+            jaxcomm.allreduce_gradients(axes, backend=backend, **options[config]), inner
         )
     if config == "powersgd_r4":
-        return optax.chain(jaxcomm.powersgd(AXES, rank=4, backend="xla"), inner)
+        return optax.chain(jaxcomm.powersgd(axes, rank=4, backend="xla"), inner)
+    if config == "diloco_h10":
+        # The DiLoCo paper's outer optimizer (bench/quality_worker.py's default).
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        return jaxcomm.diloco(inner, outer, axes, sync_every=10, backend="xla")
     wire = fp16 if config == "chunk_sparse_fp16" else None
-    return jaxcomm.chunk_sparse(inner, AXES, density=0.15, wire_dtype=wire, backend=backend)
+    return jaxcomm.chunk_sparse(inner, axes, density=0.15, wire_dtype=wire, backend=backend)
 
 
-def train_step(tx, inner, communicate=True):
-    """The step of one configuration: local gradients, exchange, update."""
+def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False):
+    """The step of one configuration: local gradients, exchange over ``axes``,
+    update. ``fsdp``: the params are this device's shards (``FSDP_SPECS``)."""
     import jax
     import optax
 
     import jaxcomm
 
     def loss_fn(params, x, y):
-        logits = mlp_logits(params, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        logits = mlp_logits(gather_shards(params) if fsdp else params, x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        # The reduce-scatter of the gathers' gradients sums the shards' rows.
+        return loss / jax.lax.axis_size("fsdp") if fsdp else loss
 
     def step(params, opt_state, x, y):
         # This device's own gradient, so the exchange is the only
         # communication of the step.
-        loss, grads = jaxcomm.local_value_and_grad(loss_fn, AXES)(params, x, y)
+        loss, grads = jaxcomm.local_value_and_grad(loss_fn, axes)(params, x, y)
         if tx is None:
-            grads = jax.lax.pmean(grads, AXES) if communicate else grads
+            grads = jax.lax.pmean(grads, axes) if communicate else grads
             updates, opt_state = inner.update(grads, opt_state, params)
         else:
             updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
+        loss = jax.lax.psum(loss, "fsdp") if fsdp else loss
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axes)
 
     return step
+
+
+def gather_shards(params):
+    """The whole params from this device's shards over "fsdp" (the FSDP forward)."""
+    import jax
+
+    whole = dict(params)
+    for name, spec in FSDP_SPECS.items():
+        whole[name] = jax.lax.all_gather(params[name], "fsdp", axis=spec.index("fsdp"), tiled=True)
+    return whole
 
 
 HELD_OUT_PER_DEVICE = 256
@@ -376,11 +407,12 @@ def mlp_logits(params, x):
     return h @ params["w3"] + params["b3"]
 
 
-def held_out_accuracy(params, x, y):
+def held_out_accuracy(params, x, y, fsdp=False):
     """The fraction of held-out samples classified right, over every device's."""
     import jax
 
-    return jax.lax.pmean((mlp_logits(params, x).argmax(-1) == y).mean(), AXES)
+    logits = mlp_logits(gather_shards(params) if fsdp else params, x)
+    return jax.lax.pmean((logits.argmax(-1) == y).mean(), FSDP_AXES if fsdp else AXES)
 
 
 def to_accuracy(accs: list[float], target: float, step_s: float) -> dict:
@@ -406,8 +438,12 @@ def run_train(args):
 
     import jaxcomm
 
-    mesh = host_mesh()
+    fsdp = args.fsdp > 0
+    mesh = host_mesh(FSDP_AXES if fsdp else AXES)
+    axes, rows = ("data" if fsdp else AXES), P(mesh.axis_names)  # exchange; batch split
     hosts, local = mesh.devices.shape
+    if fsdp and local != args.fsdp:
+        raise ValueError(f"--fsdp {args.fsdp}: each process has {local} devices")
     classes = 10
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(classes, args.features)).astype(np.float32)
@@ -420,14 +456,10 @@ def run_train(args):
     param_count = sum(v.size for v in params_np.values())
     progress(f"train: {param_count / 1e6:.1f}M parameters, {hosts} hosts x {local} devices")
     batch = args.batch_per_device * mesh.size
+    param_specs = {k: P(*FSDP_SPECS.get(k, ())) if fsdp else P() for k in params_np}
 
-    def replicated(value):
-        value = np.asarray(value)
-        sharding = NamedSharding(mesh, P())
-        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
-
-    def sharded(value):
-        sharding = NamedSharding(mesh, P(AXES))
+    def sharded(value, spec=rows):
+        sharding = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
 
     def draw(rng, n):
@@ -436,39 +468,51 @@ def run_train(args):
         inputs = centres[labels] + rng.normal(size=(n, args.features)).astype(np.float32)
         return sharded(inputs), sharded(labels)
 
-    params0 = {k: replicated(v) for k, v in params_np.items()}
+    params0 = {k: sharded(v, param_specs[k]) for k, v in params_np.items()}
     # Every configuration sees the same batches, and is judged on the same
     # held-out samples, drawn apart from them.
     batches = [draw(np.random.default_rng([1, i]), batch) for i in range(args.steps + 1)]
     held_out = draw(np.random.default_rng(2), HELD_OUT_PER_DEVICE * mesh.size)
     accuracy = jax.jit(
-        jax.shard_map(held_out_accuracy, mesh=mesh, in_specs=(P(), P(AXES), P(AXES)), out_specs=P())
+        jax.shard_map(
+            functools.partial(held_out_accuracy, fsdp=fsdp),
+            mesh=mesh,
+            in_specs=(param_specs, rows, rows),
+            out_specs=P(),
+        )
     )
 
+    if args.params_out:
+        save_params(args.params_out, "init", params0)
     for config in args.configs.split(","):
         row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
+        if fsdp:
+            row["fsdp"] = args.fsdp
         # The leaf shapes follow from these (the cost model's PowerSGD term needs them).
         row.update(features=args.features, hidden=args.hidden, classes=classes)
         try:
             if config == "hierarchical" and local < 2:
                 raise ValueError("needs --devices-per-host 2")
             inner = optax.sgd(0.01, momentum=0.9)
-            tx = gradient_exchange(config, inner)
+            tx = gradient_exchange(config, inner, axes)
             optimizer = inner if tx is None else tx
             with jax.set_mesh(mesh):
-                shapes = jax.eval_shape(optimizer.init, params0)
-            specs = jaxcomm.state_specs(shapes, AXES)
+                # Sharded params: tx.init places the state like them (docs/sharded.md).
+                shapes = (
+                    optimizer.init(params0) if fsdp else jax.eval_shape(optimizer.init, params0)
+                )
+            specs = jaxcomm.state_specs(shapes, axes)
             init = jax.jit(
                 jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),), out_specs=specs)
             )
-            opt_state = init(params0)
-            step = train_step(tx, inner, communicate=config != "compute")
+            opt_state = shapes if fsdp else init(params0)
+            step = train_step(tx, inner, config != "compute", axes, fsdp)
             run = jax.jit(
                 jax.shard_map(
                     step,
                     mesh=mesh,
-                    in_specs=(P(), specs, P(AXES), P(AXES)),
-                    out_specs=(P(), specs, P()),
+                    in_specs=(param_specs, specs, rows, rows),
+                    out_specs=(param_specs, specs, P()),
                     # compute: each device keeps its own update (no exchange).
                     check_vma=config != "compute",
                 )
@@ -498,13 +542,31 @@ def run_train(args):
                     accs.append(float(accuracy(params, *held_out)))
                 progress(f"train {config} step {i}: {seconds:.3f} s")
             row["step_s"] = statistics.median(times)
+            # DiLoCo's syncs are rare steps: the mean is its cost per step.
+            row["mean_step_s"] = statistics.mean(times)
             row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+            if args.params_out:
+                save_params(args.params_out, config, params)
             if accs:
                 row.update(to_accuracy(accs, args.target_acc, row["step_s"]))
         except Exception as e:  # noqa: BLE001  (a failing configuration is a result)
             row["error"] = describe_error(e)
             progress(f"train {config}: {row['error']}")
         emit(row)
+
+
+def save_params(directory: str, config: str, params: dict):
+    """This process's whole copy of ``params`` (its devices' shards put
+    together), as ``{config}.{process}.npz`` in ``directory``."""
+    import jax
+    import numpy as np
+
+    whole = {}
+    for name, value in params.items():
+        whole[name] = np.zeros(value.shape, value.dtype)
+        for shard in value.addressable_shards:
+            whole[name][shard.index] = np.asarray(shard.data)
+    np.savez(os.path.join(directory, f"{config}.{jax.process_index()}.npz"), **whole)
 
 
 def run_overlap(args):
