@@ -85,7 +85,9 @@ def any_nonfinite(tree) -> jax.Array:
     return agreed_any(jnp.any(jnp.stack(flags)))
 
 
-def _varying(x) -> tuple:
+def varying_axes(x) -> tuple:
+    """The mesh axes `x` is typed as varying over (inside shard_map with
+    check_vma), sorted; () elsewhere."""
     mat = getattr(jax.typeof(x), "manual_axis_type", None)
     return tuple(sorted(mat.varying)) if mat is not None else ()
 
@@ -94,14 +96,14 @@ def agreed_mean(x, over: tuple) -> jax.Array:
     """`x` (a float scalar) averaged over the axes of `over` it is typed as
     varying over (inside shard_map): the shards of a sharded model (`over`,
     "fsdp"), whose stats differ shard by shard, report one value."""
-    varying = tuple(a for a in _varying(x) if a in over)
+    varying = tuple(a for a in varying_axes(x) if a in over)
     return jax.lax.pmean(x, varying) if varying else x
 
 
 def agreed_any(flag) -> jax.Array:
     """`flag` (a bool scalar), true on every device where it is true on one
     of the devices it is typed as varying over (inside shard_map)."""
-    varying = _varying(flag)
+    varying = varying_axes(flag)
     if not varying:
         return flag
     return jax.lax.pmax(flag.astype(jnp.int32), varying) > 0
@@ -233,6 +235,16 @@ def placed_spec(x) -> tuple | None:
     return spec + (None,) * (len(jnp.shape(x)) - len(spec))
 
 
+def place(x, spec: P):
+    """`x` placed with `spec` on the mesh of ``jax.set_mesh``, where init
+    runs under one; as it is inside a trace (its caller places it) or
+    without a mesh."""
+    if isinstance(x, jax.core.Tracer):
+        return x
+    mesh = jax.sharding.get_mesh()
+    return x if mesh.empty else jax.device_put(x, NamedSharding(mesh, spec))
+
+
 def _axes_entry(axes: tuple):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -254,18 +266,13 @@ def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) 
 
     def copies(x, model):
         r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
-        if bound or isinstance(r, jax.core.Tracer):  # inside a trace its caller places it
-            return r
-        mesh = jax.sharding.get_mesh()
-        if mesh.empty:
-            return r
-        spec = P(row, *(placed_spec(model) or ()))
-        return jax.device_put(r, NamedSharding(mesh, spec))
+        return r if bound else place(r, P(row, *(placed_spec(model) or ())))
 
     return PerDevice(jax.tree.map(copies, tree, tree if like is None else like))
 
 
-def _names_in(entry) -> tuple:
+def spec_axes(entry) -> tuple:
+    """The mesh axes one entry of a PartitionSpec names: (), (a,) or the tuple."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -288,7 +295,7 @@ def in_shards(update, axes: tuple):
         split = []
         for x in jax.tree.leaves(tree):
             for entry in _typed_spec(x):
-                split += [a for a in _names_in(entry) if a not in axes and a not in split]
+                split += [a for a in spec_axes(entry) if a not in axes and a not in split]
         if not split:
             return update(updates, state, params)
 
@@ -401,7 +408,7 @@ def _trimmed(*entries) -> P:
 
 def _only(spec: P, axes: set) -> P:
     """`spec` naming only `axes` (the others left to XLA)."""
-    kept = [tuple(a for a in _names_in(e) if a in axes) for e in spec]
+    kept = [tuple(a for a in spec_axes(e) if a in axes) for e in spec]
     return _trimmed(*[(k[0] if len(k) == 1 else k) if k else None for k in kept])
 
 

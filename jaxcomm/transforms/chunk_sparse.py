@@ -270,11 +270,9 @@ def _pooled(leaves, others: tuple) -> list[bool]:
     shard's mask sends it and not where another's does."""
     if not others:
         return [True] * len(leaves)
-    out = []
-    for x in leaves:
-        mat = getattr(jax.typeof(x), "manual_axis_type", None)
-        out.append(mat is None or set(others) <= set(mat.varying))
-    # A model whole on every device of the other axes: pooled whole, as init does.
+    out = [set(others) <= set(_state.varying_axes(x)) for x in leaves]
+    # A model whole on every device of the other axes, or untyped (pmap,
+    # check_vma=False): pooled whole, as init does.
     return out if any(out) else [True] * len(leaves)
 
 
@@ -288,8 +286,7 @@ def _pooled_at_init(leaves, axes: tuple) -> tuple[list[bool], tuple]:
         return [True] * len(leaves), ()
     flags = []
     for x in leaves:
-        spec = _state.placed_spec(x) or ()
-        named = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        named = {a for e in _state.placed_spec(x) or () for a in _state.spec_axes(e)}
         flags.append(set(others) <= named)
     if not any(flags):  # a model replicated over every axis: pooled whole, as before
         return [True] * len(leaves), ()
@@ -306,35 +303,24 @@ def _local_size(x, others: tuple) -> int:
     if not others:
         return int(np.size(x))
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
-    spec = _state.placed_spec(x) or ()
-    split = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    split = [a for e in _state.placed_spec(x) or () for a in _state.spec_axes(e)]
     return int(np.size(x)) // math.prod(mesh[a] for a in split)
 
 
 def _placed(x, others: tuple):
     """`x` (rows over the shards first) split over `others` where init runs
     under a mesh."""
-    if not others or isinstance(x, jax.core.Tracer):
-        return x
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
-        return x
-    spec = jax.sharding.PartitionSpec(others, *[None] * (x.ndim - 1))
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    return _state.place(x, jax.sharding.PartitionSpec(others)) if others else x
 
 
 def _per_shard(residual: _state.PerDevice, others: tuple) -> _state.PerDevice:
     """A PerDevice pool with rows over the shards after the device rows,
     split over `others` too."""
     x = residual.value
-    if not others or isinstance(x, jax.core.Tracer):
+    rows = _state.placed_spec(x)
+    if not others or rows is None:  # inside a trace, or without a mesh
         return residual
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
-        return residual
-    rows = _state.placed_spec(x)[0]
-    spec = jax.sharding.PartitionSpec(rows, others, None)
-    return _state.PerDevice(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)))
+    return _state.PerDevice(_state.place(x, jax.sharding.PartitionSpec(rows[0], others)))
 
 
 def _merge(pooled_leaves, dense_leaves, pooled) -> list:

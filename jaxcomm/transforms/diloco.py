@@ -311,8 +311,7 @@ def _group(x) -> tuple:
     """What leaves packed together share: the dtype, and the mesh axes the
     value is typed as varying over (a sharded model's shards differ over
     "fsdp", its replicated leaves do not: packed apart, each keeps its type)."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return jnp.result_type(x), tuple(sorted(mat.varying)) if mat is not None else ()
+    return jnp.result_type(x), _state.varying_axes(x)
 
 
 def _groups(leaves) -> list:

@@ -283,12 +283,8 @@ def _allowed(mask, tree) -> list[bool] | None:
 def _vary_like(new, old):
     """`new` typed as varying over every axis its counterpart in `old` varies over."""
 
-    def varying(x) -> frozenset:
-        axis_type = getattr(jax.typeof(x), "manual_axis_type", None)  # None outside shard_map
-        return frozenset() if axis_type is None else frozenset(axis_type.varying)
-
     def one(x, like):
-        missing = tuple(sorted(varying(like) - varying(x)))
+        missing = tuple(sorted(set(_state.varying_axes(like)) - set(_state.varying_axes(x))))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, new, old)
@@ -297,8 +293,7 @@ def _vary_like(new, old):
 def _layout(x) -> tuple:
     """(whole shape, mesh axes of each dimension) of a param as placed."""
     spec = _state.placed_spec(x) or (None,) * len(np.shape(x))
-    axes = tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
-    return tuple(np.shape(x)), axes
+    return tuple(np.shape(x)), tuple(_state.spec_axes(e) for e in spec)
 
 
 def _matrices(
@@ -326,13 +321,7 @@ def _matrices(
 def _place_q(q, m: _Matrix):
     """A warm-start Q of `m`, split over the mesh axes of m's columns where
     init runs under a mesh (its rows are the matrix's columns)."""
-    if not m.col_axes or isinstance(q, jax.core.Tracer):
-        return q
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
-        return q
-    spec = jax.sharding.PartitionSpec(m.col_axes, None)
-    return jax.device_put(q, jax.sharding.NamedSharding(mesh, spec))
+    return _state.place(q, jax.sharding.PartitionSpec(m.col_axes)) if m.col_axes else q
 
 
 def _block(x, axes: tuple, size: int):
