@@ -41,14 +41,38 @@ def bound_axes() -> dict:
     return _jax_compat.bound_axis_sizes()
 
 
-def sizes(axes: tuple) -> tuple:
-    bound = bound_axes()
-    missing = [a for a in axes if a not in bound]
-    if missing:
-        raise NameError(
-            f"axis name(s) {missing} are not bound here (bound: {sorted(map(str, bound))}); "
-            "call jaxcomm collectives inside jax.shard_map or jax.pmap over those axes"
+def check_bound(axis_name, *, mesh: bool = False) -> tuple:
+    """The axes of `axis_name`, or the one ValueError every jaxcomm entry point
+    gives for a name that is not bound here: it names the argument, the bad
+    name(s) and the axes that are bound (shard_map's mesh, pmap's axis_name).
+
+    With `mesh`, outside shard_map / pmap the axes of the mesh set with
+    ``jax.set_mesh`` count as bound (a transform's init sizes its per-device
+    state from them); a collective itself needs them bound by a trace.
+    """
+    axes = normalize(axis_name)
+    names = tuple(bound_axes())
+    where = "bound by shard_map's mesh or pmap's axis_name"
+    if not names and mesh:
+        current = jax.sharding.get_abstract_mesh()
+        if not current.empty:
+            names, where = tuple(current.axis_names), "the axes of the mesh set with jax.set_mesh"
+    missing = [a for a in axes if a not in names]
+    if not missing:
+        return axes
+    bad = ", ".join(map(repr, missing)) + (" is" if len(missing) == 1 else " are")
+    head = f"axis_name={axes[0]!r} is" if len(axes) == 1 else f"axis_name={axis_name!r}: {bad}"
+    if not names:
+        raise ValueError(
+            f"{head} not bound here, and no axis is: call jaxcomm collectives inside "
+            "jax.shard_map or jax.pmap over the axes axis_name names"
         )
+    raise ValueError(f"{head} not bound here; the axes bound here are {names} ({where})")
+
+
+def sizes(axes: tuple) -> tuple:
+    check_bound(axes)
+    bound = bound_axes()
     return tuple(bound[a] for a in axes)
 
 

@@ -95,7 +95,7 @@ class Reduction:
         """Resolves the backend and the schedule for the axes bound here.
 
         Raises:
-          NameError: an axis is not bound here.
+          ValueError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
         backend = backends.resolve(self.backend, masked=self.masked, wire=self.wire)

@@ -28,7 +28,7 @@ def to_varying(tree, axis_name):
       axis_name: a mesh axis name bound here, or a tuple of them.
 
     Raises:
-      NameError: an axis is not bound here (outside shard_map / pmap).
+      ValueError: an axis is not bound here (outside shard_map / pmap).
 
     Returns:
       ``tree`` with every leaf typed as varying over ``axis_name``.

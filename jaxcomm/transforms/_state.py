@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import Reduction
+from jaxcomm.collectives._axes import bound_axes, check_bound
 
 
 class PerDevice(NamedTuple):
@@ -178,12 +179,8 @@ def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     missing = [a for a in axes if a not in sizes]
-    if missing and sizes:
-        raise ValueError(
-            f"axis_name {missing[0]!r} is not an axis of the current mesh (from jax.set_mesh "
-            f"or shard_map), whose axes are {tuple(sizes)}; this transform was built with "
-            f"axis_name={axes}"
-        )
+    if sizes or bound_axes():
+        check_bound(axes, mesh=True)
     if missing:
         raise ValueError(
             f"this transform keeps a per-device {what}, so init needs the size of axes "
