@@ -10,6 +10,7 @@ gradient. ``local_grad`` differentiates at the same params typed as varying
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,6 +33,12 @@ def local_grad(
     Returns:
       A function with ``fun``'s arguments returning the local gradient (and
       the aux value with ``has_aux``), ready for ``tx.update``.
+
+    Raises:
+      ValueError: a differentiated argument holds a Flax NNX Module (or another
+        nnx object): ``jax.grad`` would drop its state updates. Use
+        ``jaxcomm.value_and_grad`` / ``jaxcomm.grad``, or differentiate the
+        ``nnx.Param`` state from ``nnx.split``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxcomm
@@ -65,7 +72,38 @@ def _local(transform, fun, axis_name, argnums, has_aux):
     differentiated = transform(fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args, **kwargs):
+        for i in which:
+            if i < len(args):
+                _refuse_nnx_objects(transform, i, args[i])
         args = [to_varying(a, axis_name) if i in which else a for i, a in enumerate(args)]
         return differentiated(*args, **kwargs)
 
     return wrapped
+
+
+def _refuse_nnx_objects(transform, index: int, arg) -> None:
+    """Raises ValueError where `arg` holds an NNX Module, Rngs or other
+    ``nnx.Object``: ``jax.grad`` of one mutates it inside the trace and loses
+    what changed (BatchNorm's running statistics; Dropout's RNG count fails
+    with a TraceContextError). Variables alone, as in the ``nnx.State`` that
+    ``nnx.split`` gives, are plain pytrees here and pass."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # no NNX object exists before flax.nnx is imported
+        return
+
+    def is_object(x) -> bool:
+        return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+    found = jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_object)[0]
+    for path, leaf in found:
+        if is_object(leaf):
+            where = f"argument {index}{jax.tree_util.keystr(path)}"
+            name = "local_grad" if transform is jax.grad else "local_value_and_grad"
+            raise ValueError(
+                f"{name}: {where} (argnums) is a Flax NNX {type(leaf).__name__}; jax.grad of "
+                "an NNX object loses its state updates (BatchNorm's running statistics, "
+                "Dropout's RNG state). Use jaxcomm.value_and_grad(loss_fn, axis_name)(model, "
+                "...) or jaxcomm.grad, which take NNX modules, or split the module with "
+                "graphdef, params, rest = nnx.split(model, nnx.Param, ...) and differentiate "
+                "params (nnx.merge(graphdef, params, rest) inside the loss)"
+            )

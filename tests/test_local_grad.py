@@ -113,5 +113,69 @@ def test_under_pmap():
 
 
 def test_outside_shard_map_names_the_axis():
-    with pytest.raises(NameError, match=r"\['data'\] are not bound"):
+    with pytest.raises(ValueError, match=r"axis_name='data' is not bound here, and no axis is"):
         jaxcomm.local_grad(_loss, "data")({"w": jnp.ones(3), "b": jnp.zeros(2)}, jnp.ones(3))
+
+
+def _nnx_model():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Tiny(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.norm = nnx.BatchNorm(2, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.norm(self.linear(x)))
+
+    return nnx, Tiny(nnx.Rngs(0))
+
+
+def _in_shard_map(fn, *args):
+    mesh = jax.make_mesh((N,), ("data",))
+    f = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return jax.jit(f)(*args)
+
+
+NNX_REFUSED = (
+    r"is a Flax NNX Tiny; jax.grad of an NNX object loses its state updates \(BatchNorm's "
+    r"running statistics, Dropout's RNG state\)\. Use jaxcomm.value_and_grad\(loss_fn, "
+    r"axis_name\)\(model, \.\.\.\) or jaxcomm.grad"
+)
+
+
+@pytest.mark.parametrize(
+    "make,name",
+    [(jaxcomm.local_grad, "local_grad"), (jaxcomm.local_value_and_grad, "local_value_and_grad")],
+)
+def test_an_nnx_module_is_refused_with_what_to_use_instead(make, name):
+    """BatchNorm's running statistics would be dropped and Dropout's RNG would
+    fail inside the trace: both are refused before jax.grad runs."""
+    nnx, model = _nnx_model()
+    x = jnp.ones((4, 3))
+
+    def loss(m, x):
+        return jnp.sum(m(x))
+
+    with pytest.raises(ValueError, match=rf"^{name}: argument 0 \(argnums\) {NNX_REFUSED}"):
+        make(loss, "data")(model, x)
+    # Nested in the differentiated argument, the message gives the path.
+    with pytest.raises(ValueError, match=rf"^{name}: argument 1\['model'\] \(argnums\) "):
+        make(lambda s, t: loss(t["model"], x) * s, "data", argnums=(0, 1))(1.0, {"model": model})
+
+
+def test_the_param_state_of_an_nnx_module_is_taken():
+    """The way the error points to: nnx.split, differentiate the Param state.
+    Reference: the hand-computed gradient of sum(x @ W + b) on one device's x."""
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+
+    def loss(p, x):
+        return jnp.sum(nnx.merge(graphdef, p, rest)(x))
+
+    g = _in_shard_map(lambda p, x: jaxcomm.local_grad(loss, "data")(p, x), params, x)
+    np.testing.assert_allclose(np.asarray(g["kernel"][...]), np.repeat(x.sum(0)[:, None], 2, 1))
+    np.testing.assert_allclose(np.asarray(g["bias"][...]), np.full(2, 4.0))
