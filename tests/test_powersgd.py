@@ -16,6 +16,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -525,6 +526,52 @@ def test_under_pmap():
 def test_init_outside_a_mesh_says_how():
     with pytest.raises(ValueError, match="jax.set_mesh"):
         jaxcomm.powersgd("data").init({"w": jnp.zeros((16, 16))})
+
+
+def _init_warnings(tx, params, mesh):
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        tx.init(params)
+    return [str(w.message) for w in record if issubclass(w.category, UserWarning)]
+
+
+HEAD = (
+    "powersgd: no gradient leaf is compressed, so every step sends the whole gradient "
+    "densely. A leaf is compressed where it is matrix-shaped and (rows + cols) * rank * "
+    "min_compression_rate <= rows * cols "
+)
+
+
+def test_warns_when_no_leaf_is_compressed(mesh):
+    """A small model: the 8x4 kernel's rank-2 factors, (8 + 4) * 2 = 24
+    elements, are not twice smaller than its 32 (24 * 2 > 32), and the bias
+    is not a matrix. Every step would go dense; init says why."""
+    params = {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)}
+    assert _init_warnings(jaxcomm.powersgd("data", rank=2), params, mesh) == [
+        HEAD + "(rank=2, min_compression_rate=2); the largest leaf, params['kernel'] of shape "
+        "(8, 4), is not: as a 8 x 4 matrix its rank-2 factors, 24 elements, are not "
+        "min_compression_rate=2 times smaller than its 32."
+    ]
+
+
+def test_warning_names_a_vector_or_a_masked_leaf(mesh):
+    vector = {"w": jnp.zeros(1000), "b": jnp.zeros((2, 2))}
+    assert _init_warnings(jaxcomm.powersgd("data"), vector, mesh)[0].endswith(
+        "params['w'] of shape (1000,), is not: it is not matrix-shaped (ndim < 2)."
+    )
+    masked = {"emb": jnp.zeros((64, 64)), "b": jnp.zeros(4)}
+    tx = jaxcomm.powersgd("data", mask={"emb": False, "b": True})
+    assert _init_warnings(tx, masked, mesh)[0].endswith(
+        "params['emb'] of shape (64, 64), is not: mask keeps it dense."
+    )
+
+
+def test_a_compressible_leaf_does_not_warn(mesh):
+    """(16 + 16) * 1 * 2 = 64 <= 256: the kernel is compressed, so no warning,
+    though the bias stays dense; an empty tree has nothing to warn about."""
+    params = {"kernel": jnp.zeros((16, 16)), "bias": jnp.zeros(16)}
+    assert _init_warnings(jaxcomm.powersgd("data"), params, mesh) == []
+    assert _init_warnings(jaxcomm.powersgd("data"), {}, mesh) == []
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ leaves too small to compress in a third, dense one.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -172,6 +173,10 @@ def powersgd(
         leaves, treedef = jax.tree.flatten(params)
         layouts[treedef] = tuple(_layout(x) for x in leaves)
         mats = matrices(params, leaves)
+        if not mats and leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
+            _warn_nothing_compressed(
+                params, layouts[treedef], _allowed(mask, params), rank, min_compression_rate
+            )
         residual = ()
         if error_feedback:
             residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
@@ -316,6 +321,34 @@ def _matrices(
             row_axes, col_axes = (axes[0], axes[1]) if axes else ((), ())
             out.append(_Matrix(i, rows, cols, min(rank, rows, cols), row_axes, col_axes))
     return out
+
+
+def _warn_nothing_compressed(params, layout, allowed, rank: int, rate: float) -> None:
+    """Says so at init where no leaf is compressed: every step would then send
+    the whole gradient densely, and nothing else would show it but the stats."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    i = max(range(len(paths)), key=lambda j: math.prod(layout[j][0]))
+    shape = layout[i][0]
+    if allowed is not None and not allowed[i]:
+        why = "mask keeps it dense"
+    elif len(shape) < 2:
+        why = "it is not matrix-shaped (ndim < 2)"
+    elif any(layout[i][1][2:]):
+        why = "it is split over the mesh past its second dimension"
+    else:
+        rows, cols = shape[0], math.prod(shape[1:])
+        why = (
+            f"as a {rows} x {cols} matrix its rank-{rank} factors, {(rows + cols) * rank} "
+            f"elements, are not min_compression_rate={rate:g} times smaller than its "
+            f"{rows * cols}"
+        )
+    warnings.warn(
+        f"powersgd: no gradient leaf is compressed, so every step sends the whole gradient "
+        f"densely. A leaf is compressed where it is matrix-shaped and (rows + cols) * rank * "
+        f"min_compression_rate <= rows * cols (rank={rank}, min_compression_rate={rate:g}); "
+        f"the largest leaf, params{paths[i]} of shape {tuple(shape)}, is not: {why}.",
+        stacklevel=3,
+    )
 
 
 def _place_q(q, m: _Matrix):
