@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in the test extra)")
 
-(main,) = example_modules.load("digits", "main")
+(main, readme) = example_modules.load("digits", "main", "readme")
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -34,6 +34,10 @@ def test_one_epoch_of_every_configuration(tmp_path, capsys):
     assert rows["csc"]["bytes_ratio"] < 1
     printed = capsys.readouterr().out
     assert "test acc %" in printed
+    # What the README quotes is read from this file's rows, as printed.
+    summary = readme.summary(json.loads(out.read_text()))
+    for r in summary["rows"]:
+        assert f"{r['accuracy_pct']:.2f}±{r['accuracy_sd']:.2f}" in printed
     if HAS_MATPLOTLIB:
         png = (tmp_path / "plots" / "loss.png").resolve()
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,3 +61,14 @@ def test_distance_from_dense_leaves_out_equal_steps():
     assert list(gap) == ["fused"]
     np.testing.assert_array_equal(np.isnan(gap["fused"]), [True, False, True])
     np.testing.assert_allclose(gap["fused"][1], 1e-7, rtol=1e-6)
+
+
+def test_readme_numbers_are_the_programs_saved_output():
+    """The README's digits table is readme.py's rendering of the committed
+    results.json (main.py's output, summarised), and that file is from a run
+    with main.py's default options, the command the README gives."""
+    results = json.loads(readme.RESULTS.read_text())
+    assert readme.readme_block(readme.README.read_text()) == readme.render(results)
+    defaults = vars(main.parse_args([]))
+    assert results["args"] == {k: defaults[k] for k in readme.KEPT_ARGS}
+    assert [r["config"] for r in results["rows"]] == defaults["configs"]

@@ -11,6 +11,9 @@ Usage::
     python examples/digits/main.py --configs dense,csc --density 0.15 --seeds 0,1,2
     python examples/digits/main.py --pmap --configs dense,fp16+db
 
+The README's digits table is generated from this program's ``--json``
+output by ``examples/digits/readme.py`` (see there), not typed in.
+
 Reading the plot: ``fp16``, ``fused`` and ``hierarchical`` train like
 ``dense`` (the mean loss of fused and hierarchical differs from dense's by
 float32 rounding, 1e-9 to 1e-7; fp16's by 1e-6 to 1e-3), so the upper panel
