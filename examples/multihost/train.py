@@ -6,6 +6,11 @@ global batch; ``jaxcomm.allreduce_gradients`` averages the gradients over a
 devices on ``local``. ``--algorithm dense`` reduces over both axes in one
 ``lax.psum``; ``--algorithm hierarchical`` reduce-scatters inside each process,
 allreduces 1/L of the data across processes and allgathers inside again.
+``--backend xla`` (the default) runs those as JAX collectives (gloo across
+processes on CPU); ``--backend ffi`` runs jaxcomm's own schedules (TCP across
+processes on CPU). Across CPU processes with jaxlib older than 0.12, XLA's
+hierarchical path can return a block of wrong values (jaxcomm warns;
+docs/faults.md), so run hierarchical there with ``--backend ffi``.
 
 Data, initial parameters and batch order depend only on ``--seed``, and every
 process builds the same global batch, so one process of 8 devices with
@@ -15,9 +20,10 @@ in which the cross-process sum adds its terms.
 Run it on 2 local processes of 4 CPU devices, or as 1 process of 8::
 
     python -m jaxcomm.launch -n 2 --devices-per-process 4 \\
-        examples/multihost/train.py --algorithm hierarchical --out /tmp/p2.npz
+        examples/multihost/train.py --algorithm hierarchical --backend ffi --out /tmp/p2.npz
     python -m jaxcomm.launch -n 1 --devices-per-process 8 \\
-        examples/multihost/train.py --algorithm hierarchical --nodes 2 --out /tmp/p1.npz
+        examples/multihost/train.py --algorithm hierarchical --backend ffi --nodes 2 \\
+        --out /tmp/p1.npz
 
 Process 0 writes the final parameters to ``--out`` (an ``.npz``).
 """
@@ -32,6 +38,12 @@ import jaxcomm.distributed as distributed
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algorithm", choices=("dense", "hierarchical"), default="dense")
+    parser.add_argument(
+        "--backend",
+        choices=("xla", "ffi"),
+        default="xla",
+        help="xla: JAX collectives (gloo across CPU processes); ffi: jaxcomm's (TCP)",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -92,7 +104,7 @@ def train(args) -> dict:
 
     algorithm = "hierarchical" if args.algorithm == "hierarchical" else "auto"
     tx = optax.chain(
-        jaxcomm.allreduce_gradients(axes, algorithm=algorithm, backend="xla"),
+        jaxcomm.allreduce_gradients(axes, algorithm=algorithm, backend=args.backend),
         optax.sgd(args.lr, momentum=args.momentum),
     )
 
@@ -162,7 +174,8 @@ def main(argv=None):
 
     print(
         f"process {settings.process_id}/{settings.num_processes}: "
-        f"{jax.local_device_count()} of {jax.device_count()} devices, {args.algorithm}",
+        f"{jax.local_device_count()} of {jax.device_count()} devices, {args.algorithm} "
+        f"on {args.backend}",
         flush=True,
     )
     params = train(args)
