@@ -29,7 +29,7 @@ from tests.harness import mesh_of, random_grads, run_sharded, run_steps
 INPUT_DTYPES = "jaxcomm collectives take float32, float16, bfloat16, float64"
 WIRE_DTYPES = "use None or one of float16, bfloat16, float32, float64"
 OPS = r"use one of \('sum', 'mean'\)"
-ALGORITHMS = r"use one of \('auto', 'ring', 'hierarchical', 'direct'\)"
+ALGORITHMS = r"use one of \('auto', 'ring', 'hierarchical', 'direct', 'alltoall'\)"
 BACKENDS = r"use one of \('auto', 'xla', 'ffi'\)"
 HIERARCHICAL = r"algorithm='hierarchical' needs axis_name=\(inter_axis, intra_axis\)"
 DIRECT = r"algorithm='direct' is the shared-memory schedule of backend='ffi'"

@@ -175,7 +175,7 @@ def _allreduce(v, place, **options):
     return _ffi_calls.allreduce(v, _CUDA.coords(place), _CUDA.peers(v, place), place, **options)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "direct"])
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "direct", "alltoall"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("wire", FLOATS)
 def test_one_rank_allreduce_each_wire_dtype(algorithm, dtype, wire):
@@ -199,7 +199,7 @@ def test_one_rank_allreduce_each_wire_dtype(algorithm, dtype, wire):
 
 
 @pytest.mark.parametrize("max_chunks", [None, 3])
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "alltoall"])
 @pytest.mark.parametrize("wire", FLOATS)
 def test_one_rank_masked_allreduce(algorithm, wire, max_chunks):
     n, chunk_size = 10_000, 512
@@ -331,7 +331,7 @@ def _gpu_mesh(n):
     return jax.make_mesh((n,), ("data",), devices=gpus[:n])
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "direct", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "hierarchical", "alltoall"])
 @pytest.mark.parametrize("wire", [None, jnp.bfloat16, jnp.float16])
 def test_multi_gpu_allreduce_matches_numpy(algorithm, wire):
     n = max(2, len(jax.devices("gpu")))

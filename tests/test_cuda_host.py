@@ -175,6 +175,7 @@ OWN_COMMS_SOURCES = (
     "xla_ffi/cuda/all_gather.cc",
     "xla_ffi/cuda/communicators.cc",
     "xla_ffi/cuda/collective.cc",
+    "xla_ffi/cuda/alltoall.cc",
     "xla_ffi/cuda/nccl_transport.cc",
     "xla_ffi/algorithm/schedule.cc",
     "xla_ffi/cpu/cpu_kernels.cc",

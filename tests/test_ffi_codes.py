@@ -15,7 +15,7 @@ _ffi = pytest.importorskip("jaxcomm._ffi")
 
 TABLES = {
     "dtype": {"float32", "float16", "bfloat16", "float64"},
-    "algorithm": {"ring", "hierarchical", "direct"},
+    "algorithm": {"ring", "hierarchical", "direct", "alltoall"},
     "unselected": {"local", "zero"},
     "op": {"allreduce", "reduce_scatter", "all_gather", "allreduce_parts"},
 }

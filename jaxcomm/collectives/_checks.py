@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 OPS = ("sum", "mean")
-ALGORITHMS = ("auto", "ring", "hierarchical", "direct")
+ALGORITHMS = ("auto", "ring", "hierarchical", "direct", "alltoall")
 BACKENDS = ("auto", "xla", "ffi")
 INPUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
 

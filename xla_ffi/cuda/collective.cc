@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "cuda/alltoall.h"
 #include "cuda/check.h"
 #include "cuda/nccl_transport.h"
 #include "cuda/runtime.h"
@@ -74,6 +75,12 @@ Status ReduceContiguous(const CommSet& set, CudaKernels& k, cudaStream_t stream,
     if (scale != 1.0) k.Convert(out, spec.input, out, spec.input, n, scale);
     return Status::Ok();
   }
+  // Where NCCL would add in 16 bits, or a wire narrows the input: two NCCL
+  // launches with float32 adds between them, against the ring's 2(N-1)
+  // host-polled steps.
+  if (algorithm == Algorithm::kDirect || algorithm == Algorithm::kAllToAll) {
+    return AllToAllAllReduce(set, k, stream, scratch, spec, in, out, n);
+  }
   void* block = nullptr;
   if (algorithm == Algorithm::kHierarchical) {
     if (intra_size < 1 || set.size % intra_size != 0) {
@@ -90,7 +97,7 @@ Status ReduceContiguous(const CommSet& set, CudaKernels& k, cudaStream_t stream,
     JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, L), &block));
     return HierarchicalAllReduce(intra, inter, k, spec, in, out, n, block);
   }
-  // kRing, and kDirect with a wire cast or a 16-bit input.
+  // kRing.
   NcclTransport flat(set, set.flat, set.rank, set.size, stream);
   JAXCOMM_RETURN_IF_ERROR(scratch.Allocate(AllReduceScratchBytes(n, spec, set.size), &block));
   return RingAllReduce(flat, k, spec, in, out, n, block);

@@ -32,7 +32,9 @@ using CommRunner = std::function<Status(const CollectiveBody&)>;
 Status RunOnOwnComms(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
                      int nranks, const CollectiveBody& body);
 
-// n contiguous elements, reduced with `algorithm` over the set's group.
+// n contiguous elements, reduced with `algorithm` over the set's group:
+// kDirect is ncclAllReduce where NCCL adds in the accumulator type (float32
+// or float64 input, no wire cast) and kAllToAll otherwise.
 Status ReduceContiguous(const CommSet& set, CudaKernels& k, cudaStream_t stream, Scratch& scratch,
                         Algorithm algorithm, int intra_size, const ReduceSpec& spec, const void* in,
                         void* out, size_t n);

@@ -355,6 +355,125 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) norms[blockIdx.x] = static_cast<float>(total);
 }
 
+// The all-to-all schedule's encode: Convert to the accumulator with the
+// prescale, Saturate, Convert to the wire, per element.
+template <DType I, DType W>
+struct EncodeOp {
+  static constexpr DType A = I == DType::kF64 ? DType::kF64 : DType::kF32;  // AccumulatorFor
+  using AccT = typename Elem<A>::Storage;
+  const typename Elem<I>::Storage* in;
+  typename Elem<W>::Storage* out;
+  Wide<A, I> scale;
+  AccT hi;  // the wire's largest finite value
+  bool saturate;
+  __device__ void operator()(size_t i) const {
+    AccT a = Elem<A>::Store(static_cast<Wide<A, I>>(Elem<I>::Load(in[i])) * scale);
+    if (saturate && isfinite(a)) a = a > hi ? hi : (a < -hi ? -hi : a);  // inf and NaN pass
+    out[i] = Elem<W>::Store(static_cast<Wide<W, A>>(Elem<A>::Load(a)));
+  }
+};
+
+template <DType I, DType W>
+cudaError_t EncodeTyped(cudaStream_t stream, const void* in, void* out, size_t n, double prescale,
+                        bool saturate) {
+  using Op = EncodeOp<I, W>;
+  Op op{static_cast<const typename Elem<I>::Storage*>(in),
+        static_cast<typename Elem<W>::Storage*>(out), static_cast<Wide<Op::A, I>>(prescale),
+        static_cast<typename Op::AccT>(
+            std::min<double>(MaxFinite(W), std::numeric_limits<typename Op::AccT>::max())),
+        saturate};
+  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
+  return cudaGetLastError();
+}
+
+template <DType I>
+cudaError_t EncodeFrom(cudaStream_t stream, const void* in, void* out, DType wire, size_t n,
+                       double prescale, bool saturate) {
+  switch (wire) {
+    case DType::kF32:
+      return EncodeTyped<I, DType::kF32>(stream, in, out, n, prescale, saturate);
+    case DType::kF16:
+      return EncodeTyped<I, DType::kF16>(stream, in, out, n, prescale, saturate);
+    case DType::kBF16:
+      return EncodeTyped<I, DType::kBF16>(stream, in, out, n, prescale, saturate);
+    case DType::kF64:
+      return EncodeTyped<I, DType::kF64>(stream, in, out, n, prescale, saturate);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// The all-to-all schedule's reduce: the shards added in rank order in the
+// accumulator type (a 16-bit wire is never added in 16 bits), clamped, then
+// Convert to the wire with the postscale, per element. Reads N shards and
+// writes one, once each.
+template <DType W, DType A>
+struct ReduceShardsOp {
+  using WireT = typename Elem<W>::Storage;
+  using AccT = typename Elem<A>::Storage;
+  const WireT* shards;
+  size_t stride;
+  const WireT* own;
+  int rank, nshards;
+  size_t count;
+  Wide<W, A> postscale;
+  AccT hi;
+  bool saturate;
+  WireT* out;
+  __device__ void operator()(size_t i) const {
+    if (i >= count) {
+      out[i] = Elem<W>::Store(0);
+      return;
+    }
+    AccT s = static_cast<AccT>(Elem<W>::Load(rank == 0 ? own[i] : shards[i]));
+    for (int q = 1; q < nshards; ++q) {
+      s += static_cast<AccT>(Elem<W>::Load(q == rank ? own[i] : shards[q * stride + i]));
+    }
+    if (saturate && isfinite(s)) s = s > hi ? hi : (s < -hi ? -hi : s);
+    out[i] = Elem<W>::Store(static_cast<Wide<W, A>>(Elem<A>::Load(s)) * postscale);
+  }
+};
+
+template <DType W, DType A>
+cudaError_t ReduceShardsTyped(cudaStream_t stream, const void* shards, size_t stride,
+                              const void* own, int rank, int nshards, size_t count, size_t padded,
+                              double postscale, bool saturate, void* out) {
+  using Op = ReduceShardsOp<W, A>;
+  Op op{static_cast<const typename Op::WireT*>(shards),
+        stride,
+        static_cast<const typename Op::WireT*>(own),
+        rank,
+        nshards,
+        count,
+        static_cast<Wide<W, A>>(postscale),
+        static_cast<typename Op::AccT>(
+            std::min<double>(MaxFinite(W), std::numeric_limits<typename Op::AccT>::max())),
+        saturate,
+        static_cast<typename Op::WireT*>(out)};
+  Elementwise<<<Blocks(padded), kThreads, 0, stream>>>(padded, op);
+  return cudaGetLastError();
+}
+
+template <DType A>
+cudaError_t ReduceShardsInto(cudaStream_t stream, const void* shards, size_t stride,
+                             const void* own, int rank, int nshards, DType wire, size_t count,
+                             size_t padded, double postscale, bool saturate, void* out) {
+  switch (wire) {
+    case DType::kF32:
+      return ReduceShardsTyped<DType::kF32, A>(stream, shards, stride, own, rank, nshards, count,
+                                               padded, postscale, saturate, out);
+    case DType::kF16:
+      return ReduceShardsTyped<DType::kF16, A>(stream, shards, stride, own, rank, nshards, count,
+                                               padded, postscale, saturate, out);
+    case DType::kBF16:
+      return ReduceShardsTyped<DType::kBF16, A>(stream, shards, stride, own, rank, nshards, count,
+                                                padded, postscale, saturate, out);
+    case DType::kF64:
+      return ReduceShardsTyped<DType::kF64, A>(stream, shards, stride, own, rank, nshards, count,
+                                               padded, postscale, saturate, out);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 void CudaKernels::Check(cudaError_t err, const char* what) {
@@ -470,6 +589,41 @@ Status LaunchChunkL1Norms(cudaStream_t stream, const void* x, DType type, size_t
       break;
   }
   return FromCuda(cudaGetLastError(), "chunk L1 norms kernel");
+}
+
+Status LaunchEncode(cudaStream_t stream, const void* in, DType input, void* wire, DType wire_type,
+                    size_t n, double prescale, bool saturate) {
+  if (n == 0) return Status::Ok();
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (input) {
+    case DType::kF32:
+      err = EncodeFrom<DType::kF32>(stream, in, wire, wire_type, n, prescale, saturate);
+      break;
+    case DType::kF16:
+      err = EncodeFrom<DType::kF16>(stream, in, wire, wire_type, n, prescale, saturate);
+      break;
+    case DType::kBF16:
+      err = EncodeFrom<DType::kBF16>(stream, in, wire, wire_type, n, prescale, saturate);
+      break;
+    case DType::kF64:
+      err = EncodeFrom<DType::kF64>(stream, in, wire, wire_type, n, prescale, saturate);
+      break;
+  }
+  return FromCuda(err, "encode kernel");
+}
+
+Status LaunchReduceShards(cudaStream_t stream, const void* shards, size_t stride, const void* own,
+                          int rank, int nshards, DType wire, DType acc, size_t count, size_t padded,
+                          double postscale, bool saturate, void* out) {
+  if (padded == 0) return Status::Ok();
+  // Accumulators are only ever float32 or float64 (AccumulatorFor).
+  const cudaError_t err =
+      acc == DType::kF64
+          ? ReduceShardsInto<DType::kF64>(stream, shards, stride, own, rank, nshards, wire, count,
+                                          padded, postscale, saturate, out)
+          : ReduceShardsInto<DType::kF32>(stream, shards, stride, own, rank, nshards, wire, count,
+                                          padded, postscale, saturate, out);
+  return FromCuda(err, "reduce shards kernel");
 }
 
 }  // namespace jaxcomm::cuda

@@ -55,6 +55,24 @@ Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, siz
                           const bool* mask, const int32_t* offsets, int64_t chunk_size,
                           int64_t slots, void* y);
 
+// The all-to-all schedule's two local passes (cuda/alltoall.h). Each does in
+// one pass what CudaKernels' Convert, Saturate and Accumulate would do in
+// several, with the same rounding, so the host stand-ins are those calls.
+//
+// wire[i] = wire_type(clamp(acc(in[i]) * prescale)), acc the accumulator type
+// of `input`; the clamp to the wire's largest finite value only if `saturate`.
+Status LaunchEncode(cudaStream_t stream, const void* in, DType input, void* wire, DType wire_type,
+                    size_t n, double prescale, bool saturate);
+
+// For i < count: out[i] = wire(acc(postscale * clamp(s))), where s is the sum
+// over q = 0..nshards-1, in that order and in the accumulator type, of
+// shards[q * stride + i], reading `own` instead for q == rank (the clamp
+// only if `saturate`). For count <= i < padded: out[i] = 0. `out` may be
+// `own`: each element is read before it is written.
+Status LaunchReduceShards(cudaStream_t stream, const void* shards, size_t stride, const void* own,
+                          int rank, int nshards, DType wire, DType acc, size_t count, size_t padded,
+                          double postscale, bool saturate, void* out);
+
 // norms[c] = sum_j |x[c * chunk_size + j]|, accumulated in float32 (float64
 // for float64 input) and stored as float32.
 Status LaunchChunkL1Norms(cudaStream_t stream, const void* x, DType type, size_t n,

@@ -438,6 +438,29 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, nc
   return Issue({false, comm, buf, count * SizeOf(type), peer, stream, false});
 }
 
+// Every rank sends its block to every other rank and places what it
+// receives at the sender's rank; the own block is copied first, so an
+// in-place call (send == recv + rank * count) reads it before anything moves.
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t type,
+                           ncclComm_t comm, cudaStream_t stream) {
+  if (comm->aborted) return Fail(ncclInvalidUsage, "communicator was aborted");
+  if (TakeFault(&Faults::fail_calls)) return Fail(ncclSystemError, "injected failure");
+  const bool hang = TakeFault(&Faults::hang_recvs);
+  stream->Enqueue([=] {
+    const size_t bytes = count * SizeOf(type);
+    const int size = comm->clique->size;
+    std::vector<char> mine(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+    for (int q = 0; q < size; ++q) {
+      if (q != comm->rank) Post(comm, q, mine.data(), bytes);
+    }
+    std::memcpy(static_cast<char*>(recv) + comm->rank * bytes, mine.data(), bytes);
+    for (int q = 0; q < size; ++q) {
+      if (q != comm->rank) Take(comm, q, static_cast<char*>(recv) + q * bytes, bytes, hang);
+    }
+  });
+  return ncclSuccess;
+}
+
 // Every rank sends its input to every other rank and adds what it receives
 // in rank order, so every rank gets the same bits.
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common/chunk_layout.h"
 #include "cpu/cpu_kernels.h"
@@ -91,6 +92,43 @@ Status LaunchUnpackChunks(cudaStream_t stream, const void* packed, size_t n, siz
                   static_cast<const char*>(packed) + offsets[c] * chunk_size * elem_bytes,
                   len * elem_bytes);
     }
+  });
+  return Status::Ok();
+}
+
+}  // namespace jaxcomm::cuda
+
+namespace jaxcomm::cuda {
+
+// The all-to-all schedule's passes, as the CudaKernels calls they fuse.
+Status LaunchEncode(cudaStream_t stream, const void* in, DType input, void* wire, DType wire_type,
+                    size_t n, double prescale, bool saturate) {
+  host_device::Enqueue(stream, [=] {
+    cpu::CpuKernels& k = cpu::CpuKernels::Get();
+    const DType acc = AccumulatorFor(input);
+    std::vector<char> a(n * SizeOf(acc));
+    k.Convert(a.data(), acc, in, input, n, prescale);
+    if (saturate) k.Saturate(a.data(), acc, wire_type, n);
+    k.Convert(wire, wire_type, a.data(), acc, n, 1.0);
+  });
+  return Status::Ok();
+}
+
+Status LaunchReduceShards(cudaStream_t stream, const void* shards, size_t stride, const void* own,
+                          int rank, int nshards, DType wire, DType acc, size_t count, size_t padded,
+                          double postscale, bool saturate, void* out) {
+  host_device::Enqueue(stream, [=] {
+    cpu::CpuKernels& k = cpu::CpuKernels::Get();
+    const size_t ws = SizeOf(wire);
+    auto shard = [&](int q) {
+      return q == rank ? own : static_cast<const char*>(shards) + q * stride * ws;
+    };
+    std::vector<char> s(count * SizeOf(acc));
+    k.Convert(s.data(), acc, shard(0), wire, count, 1.0);
+    for (int q = 1; q < nshards; ++q) k.Accumulate(s.data(), acc, shard(q), wire, count);
+    if (saturate) k.Saturate(s.data(), acc, wire, count);
+    k.Convert(out, wire, s.data(), acc, count, postscale);
+    k.Zero(static_cast<char*>(out) + count * ws, (padded - count) * ws);
   });
   return Status::Ok();
 }

@@ -71,6 +71,8 @@ ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int pe
                       cudaStream_t stream);
 ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                       cudaStream_t stream);
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t type,
+                           ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
 
@@ -80,7 +82,7 @@ namespace jaxcomm::host_device {
 // of any rank, counted down as they happen. Reset() clears them.
 struct Faults {
   int in_progress_polls = 0;  // ncclCommGetAsyncError says ncclInProgress this often first
-  int fail_calls = 0;         // this many ncclSend/ncclRecv/ncclAllReduce fail at once
+  int fail_calls = 0;         // this many ncclSend/ncclRecv/ncclAllGather/ncclAllReduce fail
   int hang_recvs = 0;         // this many receives never complete (until an abort)
   double late_seconds = 0;    // every receive completes this much later than its send
 };

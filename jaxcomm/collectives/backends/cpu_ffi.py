@@ -25,6 +25,8 @@ class CpuFfiBackend(FfiBackend):
     others exist, chunk-sparse's pool, norms and residual in one pass each."""
 
     sends_only_selected = True
+    # The all-to-all schedule is the CUDA handlers' (xla_ffi/cuda/alltoall.h).
+    algorithms = ("auto", "ring", "hierarchical", "direct")
 
     def peers(self, x, place) -> dict:
         op_id = _peers.next_op_id()

@@ -12,7 +12,16 @@ class CudaFfiBackend(FfiBackend):
     """The CUDA handlers. A masked allreduce's mask stays on the device and
     NCCL takes its sizes from the host, so the handler packs into a buffer
     of a fixed size, ``max_chunks`` chunks (all without a bound), rather than
-    wait for the device to count them."""
+    wait for the device to count them.
+
+    ``algorithm="auto"`` is ``"direct"``, which the handler runs as the
+    fastest schedule that adds in float32: ``ncclAllReduce`` where NCCL adds
+    in the input's dtype (float32 or float64, no wire cast: the call
+    ``lax.psum`` makes, pipelined inside NCCL), and ``"alltoall"`` where NCCL
+    would add in 16 bits (a 16-bit wire or input): one grouped all-to-all of
+    wire-typed shards, a float32 add, one ``ncclAllGather``; the ring's bytes
+    in two NCCL launches instead of 2(N-1) host-polled steps (docs/cuda.md).
+    ``"ring"`` and ``"hierarchical"`` stay selectable by name."""
 
     sends_only_selected = False
 

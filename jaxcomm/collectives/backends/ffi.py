@@ -23,7 +23,7 @@ class FfiBackend(Backend):
     schedule, which beats the ring on one host (bench/allreduce.py)."""
 
     name = "ffi"
-    algorithms = ("auto", "ring", "hierarchical", "direct")
+    algorithms = ("auto", "ring", "hierarchical", "direct", "alltoall")  # alltoall: GPU
     default_bucket_bytes = DEFAULT_BUCKET_BYTES
 
     @classmethod
