@@ -83,3 +83,33 @@ def test_sharded_model_trains_as_the_replicated_one():
         run = train.Run(comm=train.CONFIGURATIONS[name], fsdp=4, **common)
         result = train.train(run, corpus=corpus)
         assert result["val_losses"][-1] < result["val_losses"][0] - 0.5, (name, result)
+
+
+def test_powersgd_and_diloco_configurations_train():
+    """PowerSGD rank 4 and DiLoCo (outer Nesterov SGD 0.7, momentum 0.9) are
+    configurations like the others. On 10 steps DiLoCo syncs every 5 (50 in
+    the table): 2 syncs of the whole model in float32 each, so it sends
+    2/10 of what dense sends; PowerSGD sends its factors, far less."""
+    (train,) = example_modules.load("lm", "train")
+    assert train.CONFIGURATIONS["powersgd"].powersgd_rank == 4
+    assert train.CONFIGURATIONS["diloco"].sync_every == 50
+    assert train.OUTER_SGD == dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+    corpus = data.load_corpus(**SMALL)
+    common = dict(steps=10, batch_per_device=4, eval_every=10, eval_windows=64, **SMALL)
+    dense = train.train(train.Run(**common), corpus=corpus)
+    diloco = train.Comm(sync_every=5)
+    for comm in (train.CONFIGURATIONS["powersgd"], diloco):
+        result = train.train(train.Run(comm=comm, **common), corpus=corpus)
+        assert result["val_losses"][-1] < result["val_losses"][0] - 0.5, (comm, result)
+        if comm is diloco:
+            assert result["bytes_per_step"] == pytest.approx(0.2 * dense["bytes_per_step"])
+        else:
+            assert result["bytes_per_step"] < 0.2 * dense["bytes_per_step"]
+
+
+def test_plot_shows_the_first_point():
+    """The y-limits reach the untrained loss (every curve's first point) and
+    the lowest point; a diverging run goes off the top."""
+    curves = {"dense": [5.6, 3.0, 2.5], "db": [5.6, 9.0, 8.0], "csc": [5.6, 3.2, 2.4]}
+    lo, hi = main.y_limits(curves)
+    assert lo < 2.4 and 5.6 < hi < 9.0

@@ -217,6 +217,19 @@ def print_table(rows, seeds, n_devices, params, fsdp: int = 1) -> None:
     )
 
 
+def y_limits(curves: dict) -> tuple[float, float]:
+    """From the lowest point to the untrained model's loss (every curve's
+    first point), with a margin: the first points show, and a run that
+    diverges above where it started goes off the top instead of squashing
+    the others."""
+    values = np.concatenate([np.asarray(c, float) for c in curves.values()])
+    values = values[np.isfinite(values)]
+    start = [float(c[0]) for c in curves.values() if np.isfinite(c[0])]
+    lo, hi = float(values.min()), max(start, default=float(values.max()))
+    pad = 0.04 * (hi - lo) if hi > lo else 0.1
+    return lo - pad, hi + pad
+
+
 def plot(results: dict, path: str) -> None:
     try:
         import matplotlib
@@ -227,11 +240,12 @@ def plot(results: dict, path: str) -> None:
         print("matplotlib is not installed: no plot (pip install 'jaxcomm[examples]')")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
+    curves = {}
     for name, runs in results.items():
-        curve = np.mean([r["val_losses"] for r in runs], axis=0)
-        ax.plot(runs[0]["val_steps"], curve, marker="o", ms=3, label=name, lw=1.2)
+        curves[name] = np.mean([r["val_losses"] for r in runs], axis=0)
+        ax.plot(runs[0]["val_steps"], curves[name], marker="o", ms=3, label=name, lw=1.2)
     ax.set(xlabel="step", ylabel="validation loss, nats/byte (mean over seeds)")
-    ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
+    ax.set_ylim(*y_limits(curves))
     ax.set_title("byte transformer on the stdlib, data-parallel over 8 CPU devices")
     ax.legend()
     fig.tight_layout()

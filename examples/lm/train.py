@@ -55,6 +55,9 @@ class Comm:
       warmup_steps: chunk-sparse warm-up from dense to ``density``.
       residual_decay: chunk-sparse factor on the unsent gradient (momentum
         correction; 0 drops what was not sent).
+      powersgd_rank: PowerSGD at this rank (None: not PowerSGD).
+      sync_every: DiLoCo with AdamW inside, synchronising every this many
+        steps through the outer optimizer ``OUTER_SGD`` (None: not DiLoCo).
     """
 
     wire_dtype: str | None = None
@@ -66,7 +69,13 @@ class Comm:
     chunk_size: int = 1024
     warmup_steps: int = 30
     residual_decay: float = 0.9
+    powersgd_rank: int | None = None
+    sync_every: int | None = None
 
+
+# DiLoCo's outer step, as in the DiLoCo paper: Nesterov momentum on the
+# averaged change of the devices' models.
+OUTER_SGD = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 CONFIGURATIONS = {
     "dense": Comm(),
@@ -78,6 +87,8 @@ CONFIGURATIONS = {
     "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
     "db+wp": Comm(double_buffering=True, weight_prediction=True),
     "csc": Comm(density=0.15),
+    "powersgd": Comm(powersgd_rank=4),
+    "diloco": Comm(sync_every=50),
 }
 
 
@@ -111,9 +122,18 @@ def learning_rate(run: Run):
 
 
 def make_optimizer(run: Run) -> optax.GradientTransformation:
-    """AdamW behind the configuration's jaxcomm transform (chunk-sparse wraps it)."""
+    """AdamW behind the configuration's jaxcomm transform (chunk-sparse and
+    DiLoCo wrap it)."""
     comm = run.comm
     adamw = optax.adamw(learning_rate(run), b1=run.b1)
+    if comm.sync_every is not None:
+        outer = optax.sgd(**OUTER_SGD)
+        return jaxcomm.diloco(
+            adamw, outer, AXIS, sync_every=comm.sync_every, wire_dtype=comm.wire_dtype
+        )
+    if comm.powersgd_rank is not None:
+        powersgd = jaxcomm.powersgd(AXIS, rank=comm.powersgd_rank, wire_dtype=comm.wire_dtype)
+        return optax.chain(powersgd, adamw)
     if comm.density is not None:
         return jaxcomm.chunk_sparse(
             adamw,
@@ -184,12 +204,22 @@ def _rows(fsdp: int):
     return P(AXIS) if fsdp == 1 else P((AXIS, FSDP))
 
 
-def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = False, specs=None):
+def make_step(
+    graphdef,
+    tx,
+    mesh,
+    state_specs,
+    *,
+    weight_prediction: bool = False,
+    specs=None,
+    local: bool = False,
+):
     """jit(shard_map(step)): params replicated (or sharded as `specs` says,
     over "fsdp"), windows split over the devices.
 
     The step takes and returns the previous parameters too (unused unless
-    ``weight_prediction``).
+    ``weight_prediction``). With ``local`` (DiLoCo) the gradient is taken at
+    this device's own params, which live in the optimizer state.
     """
     fsdp = dict(mesh.shape).get(FSDP, 1)
     specs = P() if specs is None else specs
@@ -200,6 +230,8 @@ def make_step(graphdef, tx, mesh, state_specs, *, weight_prediction: bool = Fals
             # A double-buffered gradient is applied one step later, to
             # w_{t+1} ≈ w_t + (w_t - w_{t-1}): take it there.
             at = jax.tree.map(lambda w, w_prev: 2 * w - w_prev, params, previous)
+        if local:
+            at = jaxcomm.local_params(opt_state, like=params)
         # This device's own gradient (jax.grad of replicated params would sum
         # it over the devices), so the jaxcomm transform does the only
         # communication.
@@ -279,7 +311,13 @@ def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict
     specs = jaxcomm.state_specs(opt_state, AXIS)
     opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     step = make_step(
-        graphdef, tx, mesh, specs, weight_prediction=run.comm.weight_prediction, specs=pspecs
+        graphdef,
+        tx,
+        mesh,
+        specs,
+        weight_prediction=run.comm.weight_prediction,
+        specs=pspecs,
+        local=run.comm.sync_every is not None,
     )
     previous = params
     evaluate = make_eval(graphdef, mesh, pspecs)

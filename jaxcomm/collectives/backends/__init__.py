@@ -10,9 +10,6 @@ the only code that asks which platform jaxcomm runs on.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import jax
 
 from jaxcomm.collectives import _checks, _extension
@@ -73,8 +70,9 @@ def resolve(backend, *, masked: bool = False, wire) -> Backend:
     (bench/allreduce.py). With a chunk mask or a 16-bit wire it is ffi where
     the CPU handlers run in one process. Across processes on CPU the ffi
     handlers run over TCP, which has not been compared with gloo widely
-    enough to be the default; on GPU the CUDA handlers have not run across
-    GPUs, so 'auto' does not choose them: xla packs under a bound.
+    enough to be the default. On GPU 'auto' is xla (with a mask, packed under
+    a bound): the CUDA handlers run across processes (tools/gpu_check.sh),
+    but bench/gpu_network.py has yet to time them against lax.psum there.
     """
     if isinstance(backend, Backend):
         return backend
@@ -91,17 +89,5 @@ def resolve(backend, *, masked: bool = False, wire) -> Backend:
         return XlaBackend()
     _extension.require()
     if platform == "gpu":
-        _warn_gpu_unverified()
         return CudaFfiBackend()
     return CpuFfiBackend()
-
-
-@functools.cache
-def _warn_gpu_unverified() -> None:
-    warnings.warn(
-        "backend='ffi' on GPU: jaxcomm's CUDA handlers have run on one GPU only "
-        "(tools/gpu_check.sh); their NCCL transport across GPUs or processes has "
-        "never run. Compare with backend='xla' before you rely on it.",
-        UserWarning,
-        stacklevel=4,
-    )
