@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -290,15 +291,19 @@ def test_one_device_mesh_with_replicated_out_specs():
     assert np.all(np.isfinite(np.asarray(params["w"])))
 
 
-def test_backend_ffi_on_gpu_warns_that_it_is_unverified(monkeypatch):
+def test_backend_ffi_on_gpu_is_the_cuda_backend_without_a_warning(monkeypatch):
+    """The CUDA handlers have run across processes (tools/gpu_check.sh), so
+    choosing them warns of nothing."""
     from jaxcomm.collectives import Wire, _extension, backends
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(_extension, "require", lambda platform=None: None)  # no CUDA module here
-    backends._warn_gpu_unverified.cache_clear()
-    with pytest.warns(UserWarning, match="across GPUs or processes has never run"):
-        assert backends.resolve("ffi", wire=Wire()).name == "ffi"
-    backends._warn_gpu_unverified.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend = backends.resolve("ffi", wire=Wire())
+    assert isinstance(backend, backends.CudaFfiBackend)
+    assert "alltoall" in backend.algorithms
+    assert "alltoall" not in backends.CpuFfiBackend.algorithms
 
 
 @pytest.mark.parametrize(

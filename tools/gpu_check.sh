@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # Everything a GPU machine can check, in one command and without the network:
-# builds jaxcomm with its CUDA module against the jax installed there, runs
-# every GPU test (kernels against NumPy, NCCL collectives, a plain JAX and a
-# Flax/optax training step with backend="ffi" against backend="xla") and the
-# host-side CUDA tests, a smoke subset of the CPU suite (which a GPU machine
-# runs on its 8 forced host devices, -m "not gpu"), then bench/kernels.py
-# (kernel bandwidth, ffi allreduce against lax.psum) and tools/nccl_group_probe.cc
-# (the host's cost of an NCCL group); where this jaxlib lends
-# handlers XLA's NCCL communicators, the GPU tests once more on a build forced
-# onto jaxcomm's own (the path jaxlib 0.10 takes).
+# builds jaxcomm with its CUDA module against the jax installed there (once),
+# runs every GPU test (kernels against NumPy, NCCL collectives, a plain JAX
+# and a Flax/optax training step with backend="ffi" against backend="xla")
+# and the host-side CUDA tests, a smoke subset of the CPU suite (which a GPU
+# machine runs on its 8 forced host devices, -m "not gpu"), then
+# bench/kernels.py (kernel bandwidth, ffi allreduce against lax.psum) and
+# tools/nccl_group_probe.cc (the host's cost of an NCCL group); then the
+# collectives across 2 and 4 processes sharing the GPU over NCCL's sockets
+# (tests/test_cuda_processes.py: every algorithm and wire, masked,
+# hierarchical, a training step, against NumPy) and the allreduce table on
+# that network (bench/gpu_network.py: 64 MiB per rank, each path against
+# lax.psum float32). With OWN_COMMS=1, where this jaxlib lends handlers XLA's
+# NCCL communicators, the GPU tests once more on a build forced onto
+# jaxcomm's own (the path jaxlib 0.10 takes): two more builds, past 8 minutes.
 #
 #   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
 #
 # Writes OUTDIR/gpu_check.log (everything printed) and OUTDIR/summary.json
 # (machine, each step's exit code and seconds, test counts with every failure
-# and skip reason, the benchmark's numbers). A failing step does not stop
+# and skip reason, the benchmarks' numbers). A failing step does not stop
 # the next; the exit code is non-zero if any step failed. Each step has a
-# time limit, so the whole run ends within 10 minutes (about 2 on one H100).
+# time limit, cut to what is left of BUDGET_S (default 470 s), so the whole
+# run ends within 8 minutes; a step with no time left is skipped (exit 125).
 #
 # Needs, already installed: nvidia-smi, nvcc (on PATH or in CUDACXX), a jax
 # with its CUDA plugin, nvidia-nccl-cu13, and jaxcomm's build and test
 # requirements (scikit-build-core, pybind11, cmake, ninja, pytest; flax for
 # the Flax step, which is skipped and reported without it).
-# CUDA_ARCH (default 90), KERNEL_SIZE (default 256M), PYTHON: overrides.
+# CUDA_ARCH (default 90), KERNEL_SIZE (default 256M), BUDGET_S, PYTHON: overrides.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-build/gpu_check}
@@ -37,11 +43,22 @@ py=${PYTHON:-python3}
 status=0
 t0=$SECONDS
 
-# step NAME LIMIT_S COMMAND...: runs it under a time limit, its output into
-# the log and steps/NAME.out; records exit code and seconds; goes on.
+budget=${BUDGET_S:-470}
+
+# step NAME LIMIT_S COMMAND...: runs it under a time limit (at most what is
+# left of the budget), its output into the log and steps/NAME.out; records
+# exit code and seconds; goes on.
 step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((budget - (SECONDS - t0)))
+  if [ "$left" -lt 15 ]; then
+    echo "=== $name: skipped, ${left} s of the ${budget} s budget left" | tee -a "$log"
+    printf '{"step": "%s", "exit": 125, "seconds": 0, "timed_out": false}\n' "$name" >>"$out/steps.jsonl"
+    status=1
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "=== $name: $*" | tee -a "$log"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log" "$out/steps/$name.out"
@@ -55,16 +72,16 @@ step() {
     "$name" "$rc" "$((SECONDS - start))" "$timed_out" >>"$out/steps.jsonl"
 }
 
-step machine 60 sh -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1; \
+step machine 30 sh -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || exit 1; \
   (command -v nvcc >/dev/null && nvcc --version | tail -1) || echo \"nvcc: \${CUDACXX:-not on PATH}\"; \
   $py -c 'import sys, jax, jaxlib; print(\"python\", sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, jax.devices())'"
 
 # The editable install builds into build/<wheel tag>; no index is consulted.
-step build 240 env JAXCOMM_CUDA=1 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" \
+step build 150 env JAXCOMM_CUDA=1 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" \
   "$py" -m pip install -q --no-index --no-build-isolation --no-deps -e .
 
 # The module must be the one just built from this checkout.
-step module 60 "$py" - "$PWD" <<'EOF'
+step module 30 "$py" - "$PWD" <<'EOF'
 import os, sys
 import jaxcomm
 from jaxcomm import _ffi_cuda
@@ -79,30 +96,37 @@ assert os.path.realpath(jaxcomm.__file__).startswith(root + os.sep), "jaxcomm is
 assert jaxcomm.ffi_available("gpu"), "the CUDA handlers are not registered"
 EOF
 
-gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+# The processes' test is a step of its own, below.
+gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v test_cuda_processes.py | tr '\n' ' ')
 # The host-side CUDA tests too: there they compile against this jaxlib's headers.
 gpu_tests="${gpu_tests:-tests/test_cuda.py} tests/test_cuda_host.py"
 # shellcheck disable=SC2086  # one word per file
-step tests 300 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
+step tests 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
   --junitxml="$out/test_gpu.xml"
 
 # The CPU handlers and chunk_sparse on the CPU platform, next to the CUDA
 # plugin: "not gpu" pins the session to the CPU (tests/conftest.py).
-step cpu_tests 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m "not gpu" \
+step cpu_tests 60 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m "not gpu" \
   tests/test_ffi_cpu.py tests/test_chunk_sparse.py --junitxml="$out/test_cpu.xml"
 
-step kernels 240 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
+step kernels 60 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
 
 # What a send/recv group costs the host on a non-blocking NCCL communicator
 # (jaxcomm's own are) against a blocking one: tools/nccl_group_probe.cc.
-step nccl_groups 120 sh -c "nccl=\$($py -c 'import importlib.util as u; print(list(u.find_spec(\"nvidia.nccl\").submodule_search_locations)[0])') && \
+step nccl_groups 40 sh -c "nccl=\$($py -c 'import importlib.util as u; print(list(u.find_spec(\"nvidia.nccl\").submodule_search_locations)[0])') && \
   \${CUDACXX:-nvcc} -x c++ -std=c++17 -O2 -I\$nccl/include tools/nccl_group_probe.cc -o '$out/nccl_group_probe' \
     -L\$nccl/lib -l:libnccl.so.2 -Xlinker -rpath=\$nccl/lib && '$out/nccl_group_probe'"
 
+# 2 and 4 processes on the one GPU, NCCL over loopback sockets.
+step processes 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+  tests/test_cuda_processes.py --junitxml="$out/test_processes.xml"
+step gpu_network 120 "$py" bench/gpu_network.py --timeout 55 --json "$out/gpu_network.json"
+
 # The GPU tests again on jaxcomm's own NCCL communicators, the path a jaxlib
 # without XLA's collectives extension (0.10) takes; then the default build
-# back. Skipped where this jaxlib has no extension (the tests above ran it).
-if [ -f "$("$py" -c 'import jax.ffi; print(jax.ffi.include_dir())')/xla/ffi/api/collectives_api.h" ]; then
+# back. Only with OWN_COMMS=1 (three builds do not fit the budget), and only
+# where this jaxlib has the extension (elsewhere the tests above ran it).
+if [ "${OWN_COMMS:-0}" = 1 ] && [ -f "$("$py" -c 'import jax.ffi; print(jax.ffi.include_dir())')/xla/ffi/api/collectives_api.h" ]; then
   step build_own_comms 240 env JAXCOMM_CUDA=1 \
     CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DCMAKE_CXX_FLAGS=-DJAXCOMM_XLA_COMMS=0" \
     "$py" -m pip install -q --no-index --no-build-isolation --no-deps -e .
@@ -149,6 +173,14 @@ def tests(xml):
     return {**counts, "failures": failures, "skip_reasons": skipped}
 
 
+def gpu_network():
+    path = os.path.join(out, "gpu_network.json")
+    try:
+        return json.load(open(path)) if os.path.exists(path) else None
+    except ValueError:
+        return None
+
+
 def kernels():
     text = read("kernels")
     start = text.find("{")
@@ -167,6 +199,8 @@ summary = {
     "tests": tests("test_gpu.xml"),
     "tests_own_comms": tests("test_gpu_own_comms.xml"),
     "cpu_tests": tests("test_cpu.xml"),
+    "processes": tests("test_processes.xml"),
+    "gpu_network": gpu_network(),
     "kernels": kernels(),
     "nccl_groups": read("nccl_groups").strip().splitlines()[-1:],
 }
@@ -187,6 +221,7 @@ print(
     f"=== summary: {'OK' if not failed else 'FAILED: ' + ', '.join(failed)}; "
     f"tests {counts(summary['tests'])}; on own communicators "
     f"{counts(summary['tests_own_comms'])}; CPU smoke {counts(summary['cpu_tests'])}; "
+    f"processes {counts(summary['processes'])}; "
     f"{seconds} s; {os.path.join(out, 'summary.json')}"
 )
 EOF
