@@ -13,7 +13,8 @@
 # that network (bench/gpu_network.py: 64 MiB per rank, each path against
 # lax.psum float32). With OWN_COMMS=1, where this jaxlib lends handlers XLA's
 # NCCL communicators, the GPU tests once more on a build forced onto
-# jaxcomm's own (the path jaxlib 0.10 takes): two more builds, past 8 minutes.
+# jaxcomm's own (the path jaxlib 0.10 takes): two more builds, so raise
+# BUDGET_S (to 900) with it.
 #
 #   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
 #
@@ -104,6 +105,12 @@ gpu_tests="${gpu_tests:-tests/test_cuda.py} tests/test_cuda_host.py"
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra $gpu_tests \
   --junitxml="$out/test_gpu.xml"
 
+# 2 and 4 processes on the one GPU, NCCL over loopback sockets: before the
+# smaller steps below, which the budget cuts first.
+step processes 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+  tests/test_cuda_processes.py --junitxml="$out/test_processes.xml"
+step gpu_network 120 "$py" bench/gpu_network.py --timeout 55 --json "$out/gpu_network.json"
+
 # The CPU handlers and chunk_sparse on the CPU platform, next to the CUDA
 # plugin: "not gpu" pins the session to the CPU (tests/conftest.py).
 step cpu_tests 60 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m "not gpu" \
@@ -116,11 +123,6 @@ step kernels 60 "$py" bench/kernels.py --size "${KERNEL_SIZE:-256M}" --json
 step nccl_groups 40 sh -c "nccl=\$($py -c 'import importlib.util as u; print(list(u.find_spec(\"nvidia.nccl\").submodule_search_locations)[0])') && \
   \${CUDACXX:-nvcc} -x c++ -std=c++17 -O2 -I\$nccl/include tools/nccl_group_probe.cc -o '$out/nccl_group_probe' \
     -L\$nccl/lib -l:libnccl.so.2 -Xlinker -rpath=\$nccl/lib && '$out/nccl_group_probe'"
-
-# 2 and 4 processes on the one GPU, NCCL over loopback sockets.
-step processes 150 "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-  tests/test_cuda_processes.py --junitxml="$out/test_processes.xml"
-step gpu_network 120 "$py" bench/gpu_network.py --timeout 55 --json "$out/gpu_network.json"
 
 # The GPU tests again on jaxcomm's own NCCL communicators, the path a jaxlib
 # without XLA's collectives extension (0.10) takes; then the default build
