@@ -3,7 +3,8 @@
 // DIR/<case>.in, the handler is called as XLA calls it (twice: the second
 // call must give the same bits without waiting for the device, the first
 // having read the rank), and each rank's output is written to
-// DIR/<case>.out for Python to check against NumPy.
+// DIR/<case>.out, its NCCL launches in the second call to
+// DIR/<case>.launches (int32), for Python to check.
 //
 //   alltoall_test DIR   # DIR/cases.txt: one case a line, see Case
 #include <cstdint>
@@ -84,6 +85,7 @@ void RunCase(const std::string& dir, const Case& c, int64_t op_id, int devices) 
   CHECK(mask_bytes.size() == static_cast<size_t>(c.nchunks));
   if (in.size() != bytes * c.nranks || mask_bytes.size() != static_cast<size_t>(c.nchunks)) return;
   std::vector<char> out(bytes * c.nranks);
+  std::vector<int32_t> launches(c.nranks, -1);
   std::vector<std::thread> threads;
   for (int r = 0; r < c.nranks; ++r) {
     threads.emplace_back([&, r] {
@@ -117,9 +119,10 @@ void RunCase(const std::string& dir, const Case& c, int64_t op_id, int devices) 
              {"wire_dtype", XLA_FFI_DataType_S32, &wire}});
       };
       const std::string err1 = call(first);
-      const int waits = host::HostWaits();
+      const int waits = host::HostWaits(), launched = host::NcclLaunches();
       const std::string err2 = call(second);
       const int waited = host::HostWaits() - waits;
+      launches[r] = host::NcclLaunches() - launched;
       cudaStreamSynchronize(hc.stream);
       host::DeleteStream(hc.stream);
       if (!err1.empty() || !err2.empty()) {
@@ -139,6 +142,8 @@ void RunCase(const std::string& dir, const Case& c, int64_t op_id, int devices) 
   }
   for (auto& t : threads) t.join();
   std::ofstream(dir + "/" + c.name + ".out", std::ios::binary).write(out.data(), out.size());
+  std::ofstream(dir + "/" + c.name + ".launches", std::ios::binary)
+      .write(reinterpret_cast<const char*>(launches.data()), launches.size() * sizeof(int32_t));
 }
 
 }  // namespace

@@ -218,10 +218,12 @@ struct Op {
 };
 thread_local int group_depth = 0;
 thread_local std::vector<Op> group_ops;
+thread_local int nccl_launches = 0;
 
 // Sends first, so a ring of ranks that all send and receive in one group
 // cannot deadlock.
 void Launch(std::vector<Op> ops) {
+  ++nccl_launches;
   std::map<cudaStream_t, std::vector<Op>> by_stream;
   for (Op& op : ops) by_stream[op.stream].push_back(op);
   for (auto& [stream, list] : by_stream) {
@@ -254,6 +256,8 @@ ncclResult_t Issue(Op op) {
 thread_local int current_device = 0;
 
 }  // namespace
+
+int NcclLaunches() { return nccl_launches; }
 }  // namespace jaxcomm::host_device
 
 using namespace jaxcomm::host_device;
@@ -446,6 +450,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataT
   if (comm->aborted) return Fail(ncclInvalidUsage, "communicator was aborted");
   if (TakeFault(&Faults::fail_calls)) return Fail(ncclSystemError, "injected failure");
   const bool hang = TakeFault(&Faults::hang_recvs);
+  ++nccl_launches;
   stream->Enqueue([=] {
     const size_t bytes = count * SizeOf(type);
     const int size = comm->clique->size;
@@ -471,6 +476,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (comm->aborted) return Fail(ncclInvalidUsage, "communicator was aborted");
   if (TakeFault(&Faults::fail_calls)) return Fail(ncclSystemError, "injected failure");
   const bool hang = TakeFault(&Faults::hang_recvs);
+  ++nccl_launches;
   stream->Enqueue([=] {
     const size_t bytes = count * SizeOf(type);
     const int size = comm->clique->size;

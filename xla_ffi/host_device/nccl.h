@@ -89,4 +89,8 @@ struct Faults {
 Faults& InjectedFaults();
 void ResetFaults();
 
+// NCCL launches this thread has made: a group (or a lone send or receive)
+// and a collective count one each, as each is one kernel on a real GPU.
+int NcclLaunches();
+
 }  // namespace jaxcomm::host_device
