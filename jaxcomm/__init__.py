@@ -26,15 +26,19 @@ from jaxcomm.collectives import (
     to_varying,
 )
 from jaxcomm.costmodel import plan
+from jaxcomm.data_parallel import data_parallel
+from jaxcomm.grad import grad, value_and_grad
 from jaxcomm.local_grad import local_grad, local_value_and_grad
 from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
 from jaxcomm.transforms import (
+    AccumulateState,
     AllReduceGradientsState,
     ChunkSparseState,
     CommStats,
     DiLoCoState,
     PerDevice,
     PowerSGDState,
+    accumulate,
     allreduce_gradients,
     chunk_sparse,
     diloco,
@@ -48,6 +52,8 @@ from jaxcomm.transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
+    "accumulate",
     "AllReduceGradientsState",
     "ReplicaDiff",
     "check_replicas",
@@ -64,6 +70,8 @@ __all__ = [
     "chunk_sparse",
     "diloco",
     "get_stats",
+    "data_parallel",
+    "grad",
     "local_grad",
     "local_value_and_grad",
     "local_params",
@@ -79,4 +87,5 @@ __all__ = [
     "reset_ffi_stats",
     "set_ffi_timeout",
     "to_varying",
+    "value_and_grad",
 ]

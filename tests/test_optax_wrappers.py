@@ -162,10 +162,21 @@ def test_apply_if_finite_after_jaxcomm_skips_on_every_device():
 def test_apply_if_finite_around_jaxcomm_is_refused():
     """apply_if_finite tests each device's local gradient, so devices could
     disagree on whether to run the collective (and wait on each other for
-    good); JAX's type check refuses the program instead."""
+    good); state_specs refuses it, saying where it goes."""
     tx = optax.apply_if_finite(optax.chain(jaxcomm.allreduce_gradients("data"), ADAMW()), 5)
-    with pytest.raises(TypeError, match="cond branches must have equal output types"):
+    with pytest.raises(ValueError, match=r"apply_if_finite wraps a jaxcomm.*Put it after jaxcomm"):
         run_user_step(tx, _params(), _grads(1))
+
+
+def test_multi_steps_with_state_built_like_any_transform_is_refused():
+    """MultiSteps' accumulator is per device; built by tx.init under the mesh
+    (the README's way) it has no device axis: jaxcomm says so and names
+    jaxcomm.accumulate, rather than shard_map's shape error."""
+    tx = optax.MultiSteps(optax.chain(jaxcomm.allreduce_gradients("data"), ADAMW()), 2)
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        state = tx.init(_params())
+    with pytest.raises(ValueError, match=r"MultiSteps.*no device axis.*jaxcomm.accumulate"):
+        jaxcomm.state_specs(state, "data")
 
 
 K = 4

@@ -3,6 +3,7 @@
 from jaxcomm.collectives import DEFAULT_BUCKET_BYTES
 from jaxcomm.transforms._buckets import plan_buckets
 from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
+from jaxcomm.transforms.accumulate import AccumulateState, accumulate
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.diloco import DiLoCoState, diloco, local_params
@@ -10,12 +11,14 @@ from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "AccumulateState",
     "AllReduceGradientsState",
     "ChunkSparseState",
     "DiLoCoState",
     "CommStats",
     "PerDevice",
     "PowerSGDState",
+    "accumulate",
     "allreduce_gradients",
     "chunk_sparse",
     "diloco",

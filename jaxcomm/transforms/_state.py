@@ -154,6 +154,18 @@ def _jaxcomm_prefixes(tree) -> list[tuple]:
     return [p for p, f in fields.items() if f == set(CommStats._fields)]
 
 
+def _registered_prefixes(tree) -> list[tuple]:
+    """Where a jaxcomm state without stats of its own (accumulate's) sits in a
+    container that dropped its types: paths whose entries are exactly the
+    fields of a registered state."""
+    children: dict[tuple, set] = {}
+    for path, _ in _with_path(tree):
+        names = _names(path)
+        for i in range(len(names)):
+            children.setdefault(names[:i], set()).add(names[i])
+    return [p for p, c in children.items() if frozenset(c) in _PER_DEVICE_FIELDS]
+
+
 def _stats_by_name(tree) -> list[CommStats]:
     found = []
     for prefix in _jaxcomm_prefixes(tree):
@@ -336,9 +348,11 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
     the same ``axis_names`` here (docs/sharded.md).
 
     ``optax.MultiSteps`` around a jaxcomm transform accumulates each device's
-    local gradient, so its ``acc_grads`` get ``P(axis_name)`` too. They have
-    no device axis of their own: build that state inside ``jax.shard_map``
-    with these specs as ``out_specs`` (see docs/compose.md).
+    local gradient, so its ``acc_grads`` get ``P(axis_name)`` too; built
+    without a device axis (``tx.init`` outside ``shard_map``) it is refused,
+    naming :func:`jaxcomm.accumulate`, which also sends once per k steps.
+    ``optax.apply_if_finite`` around a jaxcomm transform is refused (it goes
+    after it: docs/compose.md).
 
     Examples:
       >>> import jax, optax, jaxcomm
@@ -350,6 +364,7 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
       >>> specs.residual.value["w"], specs.buffer
       (P('data',), ())
     """
+    _check_wrappers(opt_state, axis_name)
     if axis_names is not None:
         specs = state_specs(opt_state, axis_name)
         return jax.tree.map(
@@ -368,7 +383,7 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
     # Flax NNX state keeps the field names but not the PerDevice type.
     rows = [
         (*p, field, "value")
-        for p in _jaxcomm_prefixes(opt_state)
+        for p in _jaxcomm_prefixes(opt_state) + _registered_prefixes(opt_state)
         for field in _per_device_fields_at(opt_state, p)
     ]
 
@@ -393,6 +408,44 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
     )
+
+
+def _check_wrappers(opt_state, axis_name) -> None:
+    """Refuses the optax wrappers that break a jaxcomm transform inside them,
+    naming the fix: a conditional on each device's local gradient, and
+    MultiSteps' accumulator built without a device axis."""
+    paths = [_names(path) for path, _ in _with_path(opt_state)]
+    for prefix in _jaxcomm_prefixes(opt_state):
+        for i, name in enumerate(prefix):
+            if name == "inner_state" and (*prefix[:i], "notfinite_count") in paths:
+                raise ValueError(
+                    f"optax.apply_if_finite wraps a jaxcomm transform (opt_state at "
+                    f"{'/'.join(map(str, prefix[:i])) or 'the top'}): it would test each device's "
+                    "local gradient, so devices could disagree on running the collective "
+                    "and wait on each other for good. Put it after jaxcomm, which sends a "
+                    "non-finite value to every device: optax.chain(jaxcomm.allreduce_gradients"
+                    "(...), optax.apply_if_finite(optimizer, max_consecutive_errors))"
+                )
+    axis = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)
+    )[0]:
+        if not isinstance(node, optax.MultiStepsState):
+            continue
+        if not _holds_jaxcomm_state(node.inner_opt_state):
+            continue
+        for leaf in jax.tree.leaves(node.acc_grads):
+            placed = placed_spec(leaf) if isinstance(leaf, jax.Array) else None
+            if placed is not None and not (placed and set(spec_axes(placed[0])) == set(axis)):
+                raise ValueError(
+                    f"optax.MultiSteps around a jaxcomm transform (opt_state"
+                    f"{jax.tree_util.keystr(path)}): its accumulator holds each device's own "
+                    "gradient but was built with no device axis (tx.init outside shard_map), "
+                    "and MultiSteps runs the jaxcomm collective on every micro-step anyway. "
+                    f"Use jaxcomm.accumulate(chain, {axis_name!r}, every_k=k) in its place: "
+                    "it sends once per k micro-steps and builds its state like any jaxcomm "
+                    "transform"
+                )
 
 
 def _trimmed(*entries) -> P:

@@ -1,0 +1,335 @@
+"""A data-parallel training step, written as for ``jit``, with jaxcomm reducing the gradients.
+
+Flax's data-parallel programs are ``jit`` (or ``nnx.jit``) steps with
+replicated state and a batch split over a ``"data"`` axis; XLA inserts the
+gradient's all-reduce. For jaxcomm to do that reduction, the step has to run
+per device (``shard_map``), where replicated state, vma types, RNG streams,
+BatchNorm and metrics each need care. :func:`data_parallel` takes that care:
+
+- arguments: NNX objects (model, optimizer, metrics, ``nnx.Rngs``) and
+  other pytrees (a Linen ``TrainState``) enter replicated, except the
+  per-device rows of jaxcomm's state (:func:`jaxcomm.state_specs`); arrays
+  placed on the mesh keep their placement over the data axis (a batch put
+  with ``P("data")`` is split); unplaced arrays with a leading dimension are
+  split over the data axis, scalars are replicated;
+- inside: :func:`jaxcomm.value_and_grad` defaults to the data axis; each
+  device's RNG keys get its index folded in (different dropout masks per
+  device, as a global batch gets under ``jit``); ``nnx.BatchNorm`` layers
+  built without ``axis_name`` normalise over the global batch, as under
+  ``jit`` (their ``axis_name`` is set while the step is traced);
+- outputs: scalars that differ per device (the loss) are averaged, as are
+  ``nnx.Metric`` states (so ``compute()`` gives what ``jit`` gives); any
+  other state or output that differs per device is refused, naming its path.
+
+Derivations and the choices' reasons: docs/dropin.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.grad import step_axis
+from jaxcomm.transforms._state import placed_spec, spec_axes, state_specs, varying_axes
+
+
+def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
+    """Runs a data-parallel step written for ``jit`` with jaxcomm's reduction.
+
+    Use it in place of ``jax.jit`` / ``nnx.jit`` on a step whose optimizer's
+    chain starts with a jaxcomm transform, with :func:`jaxcomm.value_and_grad`
+    in place of ``nnx.value_and_grad`` / ``jax.value_and_grad``.
+
+    Args:
+      fun: the step; its positional arguments are NNX objects, pytrees of
+        arrays and batches; it returns a pytree of scalars (or nothing).
+      axis_name: the mesh axis the batch is split over and jaxcomm reduces over.
+      mesh: the mesh; by default the one of ``jax.set_mesh``, else the mesh an
+        argument is placed on, else one axis over all devices.
+
+    Returns:
+      The step, compiled once per argument structure; NNX arguments are
+      updated in place, as ``nnx.jit`` does.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomm
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(0.1))
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> @jaxcomm.data_parallel
+      ... def train_step(model, optimizer, x, y):
+      ...     loss_fn = lambda model: jnp.mean((model(x) - y) ** 2)
+      ...     loss, grads = jaxcomm.value_and_grad(loss_fn)(model)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> x = jnp.ones((8 * jax.device_count(), 4))
+      >>> loss = train_step(model, optimizer, x, x[:, :1])
+      >>> float(loss) > 0
+      True
+    """
+    if fun is None:
+        return functools.partial(data_parallel, axis_name=axis_name, mesh=mesh)
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be one mesh axis name (a str), got {axis_name!r}")
+    compiled = {}
+
+    @functools.wraps(fun)
+    def step(*args):
+        on = _mesh(mesh, args, axis_name)
+        nodes = tuple(i for i, a in enumerate(args) if _is_node(a))
+        graphdef, state = _split(tuple(args[i] for i in nodes))
+        rest = tuple(a for i, a in enumerate(args) if i not in nodes)
+        in_specs = (
+            state_specs(state, axis_name, axis_names={axis_name}) if nodes else (),
+            jax.tree.map(lambda x: _batch_spec(x, on, axis_name), rest),
+        )
+        key = (graphdef, nodes, len(args), jax.tree.structure(rest), _flat(in_specs), on)
+        state, rest = _placed((state, rest), in_specs, on)
+        if key not in compiled:
+            compiled[key] = _compile(
+                fun, graphdef, nodes, len(args), in_specs, on, axis_name, state, rest
+            )
+        out, new_state = compiled[key](state, rest)
+        if nodes:
+            from flax import nnx
+
+            nnx.update(tuple(args[i] for i in nodes), new_state)
+        return out
+
+    return step
+
+
+def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
+    """The jitted shard_map of the step; its out_specs come from tracing it once."""
+    found = {}
+
+    def body(state, rest):
+        objects = _merge(graphdef, state)
+        args, others = [], iter(rest)
+        for i in range(nargs):
+            args.append(objects[nodes.index(i)] if i in nodes else next(others))
+        with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
+            out = fun(*args)
+        new_graphdef, new_state = _split(objects)
+        if new_graphdef != graphdef:
+            raise ValueError(
+                "jaxcomm.data_parallel: the step changed the structure of its NNX arguments "
+                "(a Variable or submodule was added or removed); build it before the step"
+            )
+        out, out_specs = _outputs(out, axis)
+        new_state = _state(new_state, in_specs[0], axis, nodes)
+        found["out_specs"] = (out_specs, in_specs[0])
+        return out, new_state
+
+    def probe(state, rest):
+        body(state, rest)
+        return ()
+
+    jax.eval_shape(
+        jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=(), axis_names={axis}),
+        state,
+        rest,
+    )
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=found["out_specs"], axis_names={axis}
+        )
+    )
+
+
+def _placed(tree, specs, mesh):
+    """`tree` with the leaves not yet on a mesh put there by their specs (on
+    the first step; its outputs come back placed)."""
+
+    def one(x, spec):
+        if placed_spec(x) is not None or not hasattr(x, "shape"):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _outputs(out, axis):
+    """The step's outputs with per-device scalars averaged, and their specs."""
+    specs = state_specs(out, axis, axis_names={axis})
+    flat, tree = jax.tree_util.tree_flatten_with_path(out)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    leaves = []
+    for (path, x), spec in zip(flat, spec_leaves, strict=True):
+        if _is_node(x):
+            raise TypeError(
+                f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} is an NNX object; "
+                "pass it as an argument (it is updated in place) instead of returning it"
+            )
+        if axis in varying_axes(x) and not _names_axis(spec, axis):
+            if jax.numpy.ndim(x) != 0:
+                raise ValueError(
+                    f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} (shape "
+                    f"{jax.numpy.shape(x)}) differs per device: the step's outputs are "
+                    "replicated, and only scalars (a loss, an accuracy) are averaged over "
+                    f"{axis!r}; reduce it to a scalar in the step, or return it from a "
+                    "separate jit step"
+                )
+            x = lax.pmean(x, axis)
+        leaves.append(x)
+    return jax.tree_util.tree_unflatten(tree, leaves), specs
+
+
+def _state(state, specs, axis, nodes):
+    """The NNX state after the step: metrics averaged over devices, anything
+    else that differs per device outside jaxcomm's per-device rows refused."""
+    if not nodes:
+        return state
+    from flax import nnx
+
+    variables = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    for (path, var), spec in zip(variables, spec_leaves, strict=True):
+        value = var.get_value()
+        if axis not in varying_axes(value) or _names_axis(spec, axis):
+            continue
+        if isinstance(var, nnx.metrics.MetricState):
+            var.set_value(lax.pmean(value, axis))
+            continue
+        where = f"args[{nodes[_index(path[0])]}]{_dotted(path[1:])}"
+        kind = type(var).__name__
+        fix = (
+            "its update did not go through a jaxcomm transform: start the optimizer's "
+            "chain with one (e.g. jaxcomm.allreduce_gradients)"
+            if isinstance(var, nnx.Param)
+            else "a layer computed it from this device's examples only: compute it over "
+            f"the global batch (lax.pmean over {axis!r}, as nnx.BatchNorm(axis_name="
+            f"{axis!r}) does) or keep it out of the step's arguments"
+        )
+        raise ValueError(
+            f"jaxcomm.data_parallel: {where} ({kind}) differs per device after the step; {fix}"
+        )
+    return state
+
+
+@contextlib.contextmanager
+def _device_rngs(objects, axis):
+    """Folds each device's index into the RNG keys of `objects` while the
+    step runs; the keys are put back after (their counts advance as usual)."""
+    if not objects:
+        yield
+        return
+    from flax import nnx
+
+    keys = nnx.state(objects, nnx.RngKey)
+    saved = jax.tree.map(lambda k: k, keys)  # nnx.state holds the live Variables
+    index = lax.axis_index(axis)
+    nnx.update(objects, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
+    try:
+        yield
+    finally:
+        nnx.update(objects, saved)
+
+
+@contextlib.contextmanager
+def _global_batch_norm(objects, axis):
+    """Gives every ``nnx.BatchNorm`` without an ``axis_name`` the data axis
+    while the step runs, so that it normalises over the global batch."""
+    changed = []
+    if objects:
+        from flax import nnx
+
+        for _, node in nnx.iter_graph(objects):
+            if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+                node.axis_name = axis
+                changed.append(node)
+    try:
+        yield
+    finally:
+        for node in changed:
+            node.axis_name = None
+
+
+def _mesh(mesh, args, axis):
+    if mesh is None:
+        current = jax.sharding.get_mesh()
+        mesh = None if current.empty else current
+    if mesh is None:
+        for x in jax.tree.leaves(args):
+            sharding = getattr(x, "sharding", None)
+            if isinstance(sharding, NamedSharding) and axis in sharding.mesh.axis_names:
+                mesh = sharding.mesh
+                break
+    if mesh is None:  # every device, as jit would use
+        mesh = jax.sharding.Mesh(jax.devices(), (axis,))
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"jaxcomm.data_parallel: axis_name {axis!r} is not an axis of the mesh, whose "
+            f"axes are {tuple(mesh.axis_names)}"
+        )
+    return mesh
+
+
+def _batch_spec(x, mesh, axis) -> P:
+    """A non-NNX argument's spec over the data axis: its placement's, or split
+    over the axis along its first dimension where it is not placed."""
+    placed = placed_spec(x)
+    if placed is not None:
+        return P(*[axis if axis in spec_axes(e) else None for e in placed])
+    if jax.numpy.ndim(x) == 0:
+        return P()
+    size = mesh.shape[axis]
+    if jax.numpy.shape(x)[0] % size:
+        raise ValueError(
+            f"jaxcomm.data_parallel: an argument of shape {jax.numpy.shape(x)} is split over "
+            f"{axis!r} ({size} devices) along its first dimension, which {size} does not "
+            "divide; place it yourself (jax.device_put with a NamedSharding) to replicate it"
+        )
+    return P(axis)
+
+
+def _dotted(path) -> str:
+    """A state path as attribute access: ``.linear1.kernel``, ``.layers[0]``."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return "".join(f".{k}" if isinstance(k, str) else f"[{k}]" for k in keys)
+
+
+def _index(key) -> int:
+    """The position a state path's first key names (a DictKey or SequenceKey)."""
+    return getattr(key, "key", getattr(key, "idx", None))
+
+
+def _names_axis(spec, axis) -> bool:
+    return any(axis in spec_axes(e) for e in spec)
+
+
+def _is_node(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    return nnx.graph.is_graph_node(x)
+
+
+def _split(objects):
+    if not objects:
+        return None, ()
+    from flax import nnx
+
+    return nnx.split(objects)
+
+
+def _merge(graphdef, state):
+    if graphdef is None:
+        return ()
+    from flax import nnx
+
+    return nnx.merge(graphdef, state)
+
+
+def _flat(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda s: isinstance(s, P))
+    return (treedef, tuple(leaves))
