@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.distributed import collective_sequence
@@ -421,3 +422,29 @@ def test_orbax_restores_the_sharded_state_as_it_was(make, tmp_path):
     got, _, _ = sm.run(tx, m, 4, start=restored, skip=2)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("case", EXPLICIT[:1] + EXPLICIT[-2:], ids=lambda c: c[0])
+def test_data_parallel_with_an_explicit_fsdp_axis(case):
+    """The second style as jaxcomm.data_parallel writes it: a step written
+    for jit, params sharded over an Explicit "fsdp" axis by their placement;
+    the decorator's shard_map is manual over "data" only."""
+    _, make, delay, tol = case
+    tx, m = make(), sm.explicit_mesh(2, 4)
+
+    @jaxcomm.data_parallel
+    def step(params, opt_state, x, y):
+        grads = jaxcomm.grad(sm.global_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    data = sm.batches(STEPS)
+    with jax.set_mesh(m):
+        params = sm.place(sm.init_params(0), m)
+        opt_state = tx.init(params)
+        for x, y in data:
+            x, y = jax.device_put((x, y), NamedSharding(m, P("data")))
+            params, opt_state = jax.block_until_ready(step(params, opt_state, x, y))
+    assert params["w1"].sharding.spec == P("fsdp", None)  # still sharded
+    _close(params, sm.reference(_momentum(), data, delay=delay), tol, tol * 0.1)
+    _same_over_data(params)
