@@ -77,7 +77,7 @@ WORKER = """
             # The mean prescales (and clamps) before the wire; the sum may
             # send the input as it is.
             for op in ("mean", "sum") if algorithm in ("direct", "alltoall") else ("mean",):
-                key = f"{algorithm}/{wire}/{op}"
+                key = f"allreduce/{algorithm}/{wire}/{op}"
                 out[key] = per_device(lambda v: jaxcomm.allreduce(
                     v, "d", op=op, algorithm=algorithm, wire_dtype=wire, backend="ffi"), reals)
         for wire in (None, "bfloat16"):
@@ -164,10 +164,10 @@ def _same_everywhere(outs, key):
 def test_allreduce_every_algorithm_and_wire_matches_numpy(results):
     n, outs = results
     exact = outs[0]["reals"].astype(np.float64).sum(0)
-    keys = [k for k in outs[0] if k.count("/") == 2 and not k.startswith("train")]
+    keys = _keys(outs, "allreduce/")
     assert len(keys) == 4 * 3 + 2 * 3
     for key in keys:
-        _, wire, op = key.split("/")
+        _, _, wire, op = key.split("/")
         want = exact / n if op == "mean" else exact
         tol = 1e-5 if wire == "None" else 2e-2
         np.testing.assert_allclose(outs[0][key], want, rtol=tol, atol=tol * 3, err_msg=key)
