@@ -128,6 +128,12 @@ WORKER = """
 """
 
 
+@pytest.fixture(autouse=True)
+def _enough_devices():
+    """Overrides conftest's 8-device rule: each process brings one device,
+    the same GPU."""
+
+
 def _run(tmp_path, processes):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(PREAMBLE) + textwrap.dedent(WORKER))
