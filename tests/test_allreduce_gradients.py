@@ -486,7 +486,7 @@ BAD = [
     (dict(op="max"), ValueError, "op='max'"),
     (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
     (dict(backend="mpi"), ValueError, "backend='mpi'"),
-    (dict(wire_dtype=jnp.int8), TypeError, "wire_dtype=int8"),
+    (dict(wire_dtype=jnp.int16), TypeError, "wire_dtype=int16"),
     (dict(bucket_bytes=-1), ValueError, "bucket_bytes=-1"),
     (dict(bucket_bytes="big"), TypeError, "bucket_bytes='big'"),
     (dict(error_feedback=True), ValueError, "error_feedback=True"),

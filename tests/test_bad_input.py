@@ -80,10 +80,10 @@ COLLECTIVES = [
     (
         "allreduce: integer wire dtype",
         AR,
-        {"wire_dtype": jnp.int8},
+        {"wire_dtype": jnp.int16},
         F32,
         TypeError,
-        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+        f"wire_dtype=int16 is not supported; {WIRE_DTYPES}",
     ),
     (
         "allreduce: bool wire dtype",
@@ -231,10 +231,10 @@ COLLECTIVES = [
     (
         "reduce_scatter: integer wire dtype",
         RS,
-        {"wire_dtype": jnp.int8},
+        {"wire_dtype": jnp.int16},
         F32,
         TypeError,
-        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+        f"wire_dtype=int16 is not supported; {WIRE_DTYPES}",
     ),
     (
         "reduce_scatter: unbound axis",
@@ -271,10 +271,10 @@ COLLECTIVES = [
     (
         "all_gather: integer wire dtype",
         AG,
-        {"wire_dtype": jnp.int8},
+        {"wire_dtype": jnp.int16},
         F32,
         TypeError,
-        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+        f"wire_dtype=int16 is not supported; {WIRE_DTYPES}",
     ),
     (
         "all_gather: unbound axis",
@@ -320,9 +320,9 @@ ALLREDUCE_GRADIENTS_OPTIONS = [
     ),
     (
         "integer wire dtype",
-        {"wire_dtype": jnp.int8},
+        {"wire_dtype": jnp.int16},
         TypeError,
-        f"wire_dtype=int8 is not supported; {WIRE_DTYPES}",
+        f"wire_dtype=int16 is not supported; {WIRE_DTYPES}",
     ),
     (
         "complex wire dtype",

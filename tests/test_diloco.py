@@ -581,7 +581,7 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
         ({"sync_every": True}, ValueError, "sync_every=True"),
         ({"fragments": 0}, ValueError, "fragments=0"),
         ({"fragments": 5}, ValueError, "fragments=5"),
-        ({"wire_dtype": jnp.int8}, TypeError, "wire_dtype="),
+        ({"wire_dtype": jnp.int16}, TypeError, "wire_dtype="),
         ({"algorithm": "tree"}, ValueError, "algorithm="),
         ({"backend": "nccl"}, ValueError, "backend="),
         ({"bucket_bytes": -1}, ValueError, "bucket_bytes=-1"),

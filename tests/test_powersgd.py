@@ -591,7 +591,7 @@ BAD = [
     (dict(warm_start=1), TypeError, "warm_start=1"),
     (dict(seed=-1), ValueError, "seed=-1"),
     (dict(seed=0.5), ValueError, "seed=0.5"),
-    (dict(wire_dtype=jnp.int8), TypeError, "wire_dtype=int8"),
+    (dict(wire_dtype=jnp.int16), TypeError, "wire_dtype=int16"),
     (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
     (dict(backend="mpi"), ValueError, "backend='mpi'"),
     (dict(mask={"w": 1}), TypeError, "mask['w']=1 must be True or False"),

@@ -130,7 +130,9 @@ def test_chunk_sparse_sends_density_and_the_chunk_norms():
         dict(density=-0.1),
         dict(bucket_bytes=-1.0),
         dict(algorithm="butterfly"),
-        dict(wire_dtype="int8"),
+        dict(wire_dtype="int16"),
+        dict(wire_dtype="int8", algorithm="tree"),
+        dict(wire_dtype="int4", density=0.5),
         dict(wire_dtype="not-a-dtype"),
         dict(chunk_elements=0),
         dict(wire_dtype="float8_e4m3fn", algorithm="hierarchical"),
@@ -334,6 +336,31 @@ def test_fp8_payload_is_jaxcomms(bucket_bytes):
     settings = Settings(wire_dtype="float8_e4m3fn", bucket_bytes=bucket_bytes)
     r = simulate(_workload(shapes), _net(p=8), settings)
     assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+
+
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+@pytest.mark.parametrize("bucket_bytes", [0, math.inf])
+def test_integer_wire_payload_is_jaxcomms(wire, bucket_bytes):
+    import jaxcomm
+
+    shapes = {"w": (64, 33), "b": (33,), "c": (300,)}  # rows not whole chunks
+    tx = jaxcomm.allreduce_gradients("data", wire_dtype=wire, bucket_bytes=bucket_bytes)
+    settings = Settings(wire_dtype=wire, bucket_bytes=bucket_bytes)
+    r = simulate(_workload(shapes), _net(p=8), settings)
+    assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+
+
+def test_int4_wire_bytes_by_hand():
+    # 2 ranks, 1000 elements: rows of 500, 250 bytes of codes; row 0 touches
+    # chunks 0-1, row 1 chunks 1-3 (K = 3); the reduced rows have 2 chunks.
+    # All-to-all 2 x (250 + 3 x 4), all-gather 2 x (250 + 2 x 4); one
+    # latency for the all-to-all, one for the all-gather's ring.
+    w = Workload((GradientTensor(1000, 0.0),), forward_time=0.0, batch=1)
+    net = _net(p=2, bandwidth=1e6, latency=1e-3)
+    r = simulate(w, net, Settings(wire_dtype="int4"))
+    (c,) = r.collectives
+    assert c.nbytes == (2 * 262 + 2 * 258) // 2
+    assert r.iteration_time == pytest.approx(2e-3 + (262 + 258) / 1e6)
 
 
 # --- DiLoCo ---------------------------------------------------------------------

@@ -17,9 +17,9 @@ def prepare(x, axis_name, *, op: str, wire_dtype, backend) -> tuple:
     bound: BoundReduction = reduction(
         axis_name, op=op, wire_dtype=wire_dtype, backend=backend
     ).bind()
-    if bound.reduction.fp8:
+    if bound.reduction.wire.scaled:
         raise TypeError(
             f"wire_dtype={bound.reduction.wire_dtype.name}: reduce_scatter and all_gather take "
-            "float16 and bfloat16 wires; FP8 wires are for allreduce"
+            "float16 and bfloat16 wires; FP8 wires are for allreduce, as are int8 and int4"
         )
     return x.reshape(-1), bound

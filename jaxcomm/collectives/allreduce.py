@@ -28,10 +28,13 @@ def allreduce(
     device gets ``y = sum_j x_j`` (``op="mean"``: ``y / N``), bitwise the same, in
     ``x``'s dtype and shape. A 16-bit ``wire_dtype`` sends the ``x_j`` in 16 bits,
     added in float32 by jaxcomm's own schedules (by ``lax.psum`` in 16 bits);
-    an 8-bit one scales each device's ``x_j`` by a power of two, adds in float32
-    and errs per element by at most ``(2u + u^2) * A`` for any N (A the largest
-    finite ``|x|``, u = 2^-4 for e4m3, 2^-3 for e5m2; N times that for a sum).
-    See docs/design.md, "Mean, sum and the narrow wire" and "8-bit wires".
+    an 8-bit float one scales each device's ``x_j`` by a power of two, adds in
+    float32 and errs per element by at most ``(2u + u^2) * A`` for any N (A the
+    largest finite ``|x|``, u = 2^-4 for e4m3, 2^-3 for e5m2; N times that for a
+    sum); ``"int8"`` / ``"int4"`` scale each chunk of 256 elements and err by at
+    most ``A / Q``, Q = 127 and 7 (A over the 510 elements either side; a chunk
+    with an inf or NaN comes back NaN). See
+    docs/design.md, "Mean, sum and the narrow wire", "8-bit wires", "Integer wires".
 
     Args:
       x: array of float32, float16, bfloat16 or float64 (x64 on); any shape.
@@ -40,10 +43,11 @@ def allreduce(
       op: ``"sum"`` (default) or ``"mean"``.
       algorithm: ``"ring"``, ``"hierarchical"``, ``"direct"`` (ffi on CPU) or
         ``"auto"``: ffi ``"direct"``; xla ``lax.psum``, the ring for a 16-bit wire
-        across CPU processes, ``"alltoall"`` for an 8-bit wire (docs/design.md).
+        across CPU processes, ``"alltoall"`` for an 8- or 4-bit wire (docs/design.md).
       wire_dtype: ``None`` (send ``x.dtype``), ``jnp.float16``, ``jnp.bfloat16``,
-        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or their names; 8-bit: xla
-        backend and ``algorithm="auto"`` only, else ValueError). A 16-bit mean is
+        ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int8`` or ``jnp.int4`` (or
+        their names; 8- and 4-bit: xla backend and ``algorithm="auto"`` only, else
+        ValueError). A 16-bit mean is
         prescaled so float16 cannot overflow; a sum is not (float16: inf past 65504).
       backend: ``"xla"`` (JAX collectives; any platform, many processes), ``"ffi"``
         (jaxcomm's custom calls) or ``"auto"``: xla, but ffi in one CPU process

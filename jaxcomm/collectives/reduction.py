@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.collectives import _allreduce, _checks, _fp8, _xla, backends
+from jaxcomm.collectives import _allreduce, _checks, _fp8, _quantized, _xla, backends
 from jaxcomm.collectives._axes import AxisPlacement, bound_axes, is_vma_typed, normalize, placement
 from jaxcomm.collectives.backends import DEFAULT_BUCKET_BYTES, Backend
 from jaxcomm.collectives.chunk_layout import DEFAULT_CHUNK_SIZE, ChunkLayout, check_chunk_size
@@ -153,8 +153,8 @@ class BoundReduction(NamedTuple):
       backend: the :class:`jaxcomm.collectives.Backend` that runs it
         (``backend.name``: ``"xla"`` or ``"ffi"``).
       algorithm: the schedule: ``"psum"`` (XLA's own), ``"ring"``,
-        ``"hierarchical"``, ``"direct"``, or ``"alltoall"`` (an FP8 wire's:
-        all-to-all, float32 adds, all-gather; see _fp8.py).
+        ``"hierarchical"``, ``"direct"``, or ``"alltoall"`` (a scaled wire's:
+        all-to-all, float32 adds, all-gather; see _fp8.py, _quantized.py).
     """
 
     reduction: Reduction
@@ -210,13 +210,10 @@ class BoundReduction(NamedTuple):
 
     def payload_bytes(self, elements, dtype, parts: int = 1):
         """Bytes this device puts into a collective of `elements` of `dtype`
-        in `parts` parts (leaves of a bucket). An FP8 wire adds its scales:
-        N(parts + 1) bytes, counted so that :meth:`bytes_sent` is exact
-        (_fp8.scale_bytes)."""
-        payload = elements * self.scales(dtype)[0].itemsize
-        if self.reduction.fp8:
-            payload += _fp8.scale_bytes(self.size, parts)
-        return payload
+        in `parts` parts (leaves of a bucket), counted so that
+        :meth:`bytes_sent` is exact: a scaled wire's codes and scales
+        (:meth:`Wire.payload_bytes`)."""
+        return self.reduction.wire.payload_bytes(elements, dtype, self.size, parts)
 
     def bytes_sent(self, payload) -> jax.Array:
         """Per-device bytes on the wire for an allreduce of `payload` bytes
@@ -272,10 +269,9 @@ class BoundReduction(NamedTuple):
         if self.backend.sends_only_selected:
             payload = layout.selected_elements(mask) * itemsize
             return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload
-        scales = self.payload_bytes(0, x.dtype)  # an FP8 wire's exponents
+        every = self.payload_bytes(nchunks * chunk_size, x.dtype)  # a scaled wire's scales too
         if max_chunks == nchunks:
-            payload = nchunks * chunk_size * itemsize + scales
-            return self.allreduce(x, chunk_mask=mask, unselected="zero"), jnp.float32(payload)
+            return self.allreduce(x, chunk_mask=mask, unselected="zero"), jnp.float32(every)
         many = jnp.sum(mask) > max_chunks
         reduced = jax.lax.cond(
             many,
@@ -284,8 +280,8 @@ class BoundReduction(NamedTuple):
             x,
         )
         # Bytes in float32: an int32 count overflows at 2 GiB of payload.
-        chunks = jnp.where(many, nchunks, max_chunks).astype(jnp.float32)
-        return reduced, chunks * (chunk_size * itemsize) + scales
+        bounded = self.payload_bytes(max_chunks * chunk_size, x.dtype)
+        return reduced, jnp.where(many, jnp.float32(every), jnp.float32(bounded))
 
     def chunk_l1(self, local, exchanged, mask):
         """float32[chunks]: each chunk's L1 norm, of `exchanged` (the
@@ -313,12 +309,14 @@ class BoundReduction(NamedTuple):
         """What the wire cast drops from v (a narrow wire's error feedback):
         v - decast(cast(v * prescale)) / prescale, with the prescale this
         reduction applies (1/N, or 2^-k with 2^k >= 2N where the backend adds
-        in float16), computed exactly as the collectives cast. An FP8 wire's
-        scale is this device's own for v (v is one part of a bucket):
-        _fp8.cast_error."""
+        in float16), computed exactly as the collectives cast. A scaled
+        wire's scales are this device's own for v (v is one part of a
+        bucket): _fp8.cast_error, _quantized.cast_error."""
         wire = self.reduction.wire_dtype
         if self.reduction.fp8:
             return _fp8.cast_error(v, wire)
+        if self.reduction.wire.quantized:
+            return _quantized.cast_error(v, wire)
         n = self.size
         scale = n
         if self.backend.adds_in_wire(self.algorithm):

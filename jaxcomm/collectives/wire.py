@@ -3,7 +3,7 @@ goes with it.
 
 Every backend follows one contract: ``cast(x * prescale)`` travels, the
 reduced value is multiplied by ``postscale`` and cast back. A narrow wire
-(16 or 8 bits) rounds float32 values, and float16 overflows where float32
+(16, 8 or 4 bits) rounds float32 values, and float16 overflows where float32
 does not, so a narrow wire always divides by N before the cast: a transform
 that wants a sum reduces a mean and multiplies by N afterwards, in float32
 (:meth:`Wire.collective_op`, :meth:`Wire.scales_back`).
@@ -16,7 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.collectives import _fp8
+from jaxcomm.collectives import _fp8, _quantized
 
 DTYPES = (
     jnp.float16,
@@ -25,6 +25,8 @@ DTYPES = (
     jnp.float64,
     jnp.float8_e4m3fn,
     jnp.float8_e5m2,
+    jnp.int8,
+    jnp.int4,
 )
 
 
@@ -48,12 +50,12 @@ class Wire:
 
         Examples:
           >>> from jaxcomm.collectives import Wire
-          >>> Wire.of("bfloat16").narrow, Wire.of(None).narrow
-          (True, False)
-          >>> Wire.of("int8")  # doctest: +ELLIPSIS
+          >>> Wire.of("bfloat16").narrow, Wire.of(None).narrow, Wire.of("int4").quantized
+          (True, False, True)
+          >>> Wire.of("int16")  # doctest: +ELLIPSIS
           Traceback (most recent call last):
           ...
-          TypeError: wire_dtype=int8 is not supported; use None or one of float16, ...
+          TypeError: wire_dtype=int16 is not supported; use None or one of float16, ...
         """
         if isinstance(wire_dtype, Wire):
             return wire_dtype
@@ -77,13 +79,35 @@ class Wire:
 
     @property
     def narrow(self) -> bool:
-        """A 16- or 8-bit wire: it rounds float32 values (what error feedback keeps)."""
+        """A 16-, 8- or 4-bit wire: it rounds float32 values (what error feedback keeps)."""
         return self.dtype is not None and self.dtype.itemsize < 4
 
     @property
     def fp8(self) -> bool:
         """An 8-bit float wire, scaled per device and part (see _fp8.py)."""
         return self.dtype is not None and self.dtype in _fp8.WIRES
+
+    @property
+    def quantized(self) -> bool:
+        """An int8 or int4 wire, scaled per device and chunk (see _quantized.py)."""
+        return self.dtype is not None and self.dtype in _quantized.WIRES
+
+    @property
+    def scaled(self) -> bool:
+        """A wire with scales of its own (FP8, int8, int4): it runs the
+        all-to-all schedule of backend='xla', which adds in float32."""
+        return self.fp8 or self.quantized
+
+    def payload_bytes(self, elements: int, dtype, size: int, parts: int = 1) -> int:
+        """Bytes a device puts into an allreduce of `elements` of `dtype` in
+        `parts` parts over `size` devices, counted so that 2(N-1)/N of it is
+        what it sends: the wire's bytes, and a scaled wire's scales."""
+        if self.quantized:
+            scale = np.dtype(_fp8._accumulator(dtype)).itemsize
+            return _quantized.payload_bytes(elements, parts, size, self.dtype, scale)
+        if self.fp8:  # rows padded to N equal ones, and the exponents
+            return size * -(-elements // size) + _fp8.scale_bytes(size, parts)
+        return elements * self.for_input(dtype).itemsize
 
     def for_input(self, dtype) -> np.dtype:
         """The dtype that travels for an input of `dtype`."""

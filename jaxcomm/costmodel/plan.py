@@ -145,14 +145,16 @@ def plan(
     def step(theta, algorithm, wire):
         return simulate(workload, cluster, settings(theta, algorithm, wire))
 
-    # An FP8 wire has one schedule of its own: it is tried once, under "ring".
+    # An FP8, int8 or int4 wire has one schedule of its own: tried once, under "ring".
     candidates = [
         c
         for c in itertools.product(algorithms, wire_dtypes, bucket_bytes)
-        if c[0] == "ring" or not Settings(wire_dtype=c[1]).fp8
+        if c[0] == "ring" or not Settings(wire_dtype=c[1]).scaled
     ]
     if not candidates:
-        raise ValueError("an FP8 wire_dtypes candidate needs 'ring' among the algorithms")
+        raise ValueError(
+            "an FP8, int8 or int4 wire_dtypes candidate needs 'ring' among the algorithms"
+        )
     best = min(candidates, key=lambda c: step(c[2], c[0], c[1]).iteration_time)
     algorithm, wire, theta = best
     baseline = step(0.0, "ring", "float32")

@@ -33,6 +33,10 @@ Rules:
   ``p(r + 2)``, the payload jaxcomm counts is ``p(r + k + 1)`` (its
   ``bytes_sent`` is ``2(p-1)/p`` of it, the ring's share) and the latency is
   ``pα`` against the ring's ``2(p-1)α``.
+* An integer wire (``int8``, ``int4``) runs the same all-to-all and
+  all-gather with a float32 scale per chunk of 256 elements: its bytes are
+  jaxcomm's own count (``jaxcomm.collectives._quantized.exchange_bytes``):
+  a byte an element for int8, half a byte for int4, 4 bytes a chunk.
 * PowerSGD (``powersgd_rank``): a leaf of ``shape`` with ``ndim >= 2`` is
   viewed as ``(shape[0], prod(shape[1:]))`` and compressed when
   ``(rows + cols) · rank · min_compression_rate <= rows · cols``, rank
@@ -116,7 +120,7 @@ from jaxcomm._validate import (
     check_positive_integer,
     check_positive_real,
 )
-from jaxcomm.collectives import DEFAULT_CHUNK_SIZE
+from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, _quantized
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
 
@@ -125,6 +129,7 @@ NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
 CSC_CHUNK_ELEMENTS = DEFAULT_CHUNK_SIZE  # GradientFlow's chunk size, as chunk_sparse
 FP8_EXPONENT_BYTES = 2  # an FP8 wire's scale travels as an int16 exponent
 FP8_WIRES = ("float8_e4m3fn", "float8_e5m2")
+INTEGER_WIRES = ("int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +202,8 @@ class Settings:
     Attributes:
       wire_dtype: dtype on the wire (anything ``numpy.dtype`` accepts, e.g.
         ``"float32"``, ``"float16"``, ``jnp.bfloat16``, ``"float8_e4m3fn"``,
-        ``jnp.float8_e5m2``; an 8-bit one runs the FP8 schedule).
+        ``jnp.float8_e5m2``, ``"int8"``, ``"int4"``; an 8- or 4-bit one runs the
+        all-to-all schedule).
       bucket_bytes: fusion threshold θ in gradient bytes; 0 is one collective
         per tensor, ``math.inf`` one for all.
       overlap: start each bucket when its gradients exist (else after backward).
@@ -234,16 +240,19 @@ class Settings:
             raise ValueError(f"algorithm={self.algorithm!r} must be one of {ALGORITHMS}")
         self.wire_itemsize  # noqa: B018 -- validates wire_dtype
         check_positive_real("min_compression_rate", self.min_compression_rate)
-        if self.fp8 and self.algorithm != "ring":
+        if self.scaled and self.algorithm != "ring":
             raise ValueError(
-                f"algorithm={self.algorithm!r}: an FP8 wire has one schedule (all-to-all, "
-                "all-gather); leave algorithm='ring'"
+                f"algorithm={self.algorithm!r}: an FP8, int8 or int4 wire has one schedule "
+                "(all-to-all, all-gather); leave algorithm='ring'"
             )
-        if self.fp8 and self.density < 1:
-            raise ValueError(f"density={self.density}: FP8 chunk-sparse exchange is not modelled")
+        if self.scaled and self.density < 1:
+            raise ValueError(
+                f"density={self.density}: chunk-sparse exchange over an FP8, int8 or int4 "
+                "wire is not modelled"
+            )
         if self.powersgd_rank is not None:
             check_positive_integer("powersgd_rank", self.powersgd_rank)
-            if self.density < 1 or self.double_buffering or self.fp8:
+            if self.density < 1 or self.double_buffering or self.scaled:
                 raise ValueError(
                     f"powersgd_rank={self.powersgd_rank}: powersgd has no density or "
                     "double_buffering, and takes float16 and bfloat16 wires only"
@@ -266,13 +275,25 @@ class Settings:
         return np.dtype(self.wire_dtype).name in FP8_WIRES
 
     @property
+    def integer(self) -> bool:
+        """An int8 or int4 wire (jaxcomm scales it per device and chunk)."""
+        return np.dtype(self.wire_dtype).name in INTEGER_WIRES
+
+    @property
+    def scaled(self) -> bool:
+        """A wire with its own all-to-all schedule: FP8, int8, int4."""
+        return self.fp8 or self.integer
+
+    @property
     def wire_itemsize(self) -> int:
         try:
             dtype = np.dtype(self.wire_dtype)
         except TypeError:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} is not a dtype") from None
-        if dtype.kind not in "fV":  # "V": ml_dtypes' bfloat16
-            raise ValueError(f"wire_dtype={self.wire_dtype!r} must be a floating dtype")
+        if dtype.kind not in "fV" and dtype.name not in INTEGER_WIRES:  # "V": ml_dtypes'
+            raise ValueError(
+                f"wire_dtype={self.wire_dtype!r} must be a floating dtype, int8 or int4"
+            )
         return dtype.itemsize
 
 
@@ -414,6 +435,12 @@ def _gradient_collective(
         gathered = p * (row + FP8_EXPONENT_BYTES)
         seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
         return (to_all + gathered) // 2, seconds  # p(r + k + 1)
+    if settings.integer:
+        to_all, gathered = _quantized.exchange_bytes(
+            elements, parts, cluster.p, settings.wire_dtype
+        )
+        seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
+        return (to_all + gathered) // 2, seconds
     nbytes = elements * settings.density * settings.wire_itemsize
     return nbytes, cluster.allreduce_time(nbytes, algorithm=settings.algorithm)
 

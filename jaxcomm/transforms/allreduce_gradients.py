@@ -72,8 +72,9 @@ def allreduce_gradients(
         ``(inter_axis, intra_axis)`` for ``algorithm="hierarchical"``.
       op: ``"mean"`` (default) or ``"sum"``.
       wire_dtype: ``None`` (the gradient's dtype), ``jnp.float16``, ``jnp.bfloat16``,
-        ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (xla backend); prescaled for
-        ``op="sum"`` too, so float16 cannot overflow (docs/design.md).
+        ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``"int8"`` or ``"int4"`` (the last
+        four xla only); prescaled for ``op="sum"`` too, so float16 cannot overflow
+        (docs/design.md).
       error_feedback: add what the wire cast dropped (``e_i``, kept per device) to
         the next step's gradient. Needs a narrow wire, else ValueError.
       bucket_bytes: fusion threshold θ; 0 is one collective per leaf, ``math.inf``
@@ -121,7 +122,8 @@ def allreduce_gradients(
         wire = comm.wire_dtype
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "
-            "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn or float8_e5m2), "
+            "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+            "int8 or int4), "
             f"got {None if wire is None else wire.name}"
         )
     scale_back = comm.wire.scales_back(op)

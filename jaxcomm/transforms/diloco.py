@@ -90,8 +90,9 @@ def diloco(
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       sync_every: H, inner steps between two syncs of a fragment, >= 1.
       fragments: F, 1 <= F <= H and at most the number of leaves (checked at init).
-      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for the
-        pseudo-gradient (prescaled as in :func:`jaxcomm.allreduce`).
+      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16``, an 8-bit float,
+        ``"int8"`` or ``"int4"`` for the pseudo-gradient, as in :func:`jaxcomm.allreduce`
+        (the last four xla only; no error feedback: what a sync's encoding drops is lost).
       bucket_bytes: fusion threshold within a fragment, as in
         :func:`jaxcomm.allreduce_gradients` (``None``: per leaf on xla, 4 MiB on ffi).
       algorithm: as in :func:`jaxcomm.allreduce`.

@@ -38,8 +38,9 @@ def _prefers_ffi(masked: bool, wire) -> bool:
     """'auto' leans to ffi with a chunk mask (the only backend that sends
     just the selected chunks without a static bound) and with a 16-bit wire
     (XLA's CPU all-reduce adds float16 in float16, and widens bfloat16 to
-    float32); never for an FP8 wire, whose schedule only xla has."""
-    return not wire.fp8 and (masked or wire.narrow)
+    float32); never for a scaled wire (FP8, int8, int4), whose schedule
+    only xla has."""
+    return not wire.scaled and (masked or wire.narrow)
 
 
 def check(backend, algorithm: str, axes: tuple, wire, *, masked: bool = False):

@@ -28,7 +28,7 @@ class FfiBackend(Backend):
 
     @classmethod
     def check_options(cls, algorithm: str, wire) -> None:
-        if wire.fp8:
+        if wire.scaled:
             raise ValueError(
                 f"wire_dtype={wire.name} runs on backend='xla' only (an all-to-all and an "
                 "all-gather that add in float32); the ffi handlers take float16 and bfloat16 "

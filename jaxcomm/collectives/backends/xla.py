@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _jax_compat
-from jaxcomm.collectives import _fp8, _xla
+from jaxcomm.collectives import _fp8, _quantized, _xla
 from jaxcomm.collectives._linear import linear_collective
 from jaxcomm.collectives.backends.base import Backend
 
@@ -22,14 +22,17 @@ _SCHEDULES = {
     "hierarchical": lambda v, place, w, pre, post, parts: _xla.hierarchical_allreduce(
         v, place, w, pre, post
     ),
-    _fp8.ALGORITHM: _fp8.allreduce,
+    _fp8.ALGORITHM: lambda v, place, w, pre, post, parts: (
+        _quantized.allreduce if w in _quantized.WIRES else _fp8.allreduce
+    )(v, place, w, pre, post, parts),
 }
 
 
 class XlaBackend(Backend):
     """JAX's collectives. ``algorithm="auto"`` is ``lax.psum`` (XLA picks
     its own all-reduce), or the ring over ``ppermute`` for a 16-bit wire
-    across CPU processes; an FP8 wire has its own schedule (_fp8.py)."""
+    across CPU processes; a scaled wire (FP8, int8, int4) has its own
+    schedule (_fp8.py, _quantized.py)."""
 
     name = "xla"
     algorithms = ("auto", "ring", "hierarchical")
@@ -44,17 +47,17 @@ class XlaBackend(Backend):
                 "algorithm='direct' is the shared-memory schedule of backend='ffi'; "
                 "with backend='xla' use 'auto' (lax.psum), 'ring' or 'hierarchical'"
             )
-        if wire.fp8 and algorithm != "auto":
+        if wire.scaled and algorithm != "auto":
             raise ValueError(
                 f"wire_dtype={wire.name} has one schedule (an all-to-all and an all-gather that "
                 f"add in float32, algorithm='auto'); algorithm={algorithm!r} would round or add "
-                "partial sums in 8 bits"
+                f"partial sums in {wire.name}"
             )
         super().check_options(algorithm, wire)
 
     def algorithm(self, requested: str, axes: tuple, wire) -> str:
         self.check_options(requested, wire)
-        if wire.fp8:
+        if wire.scaled:
             return _fp8.ALGORITHM
         cpu_processes = jax.process_count() > 1 and jax.default_backend() == "cpu"
         if requested == "auto":
