@@ -367,6 +367,46 @@ def test_error_feedback_sgd_converges_where_float32_does(wire):
     assert without > 10 * with_ef, (without, with_ef)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_chunk_sparse_exchanges_chunks_within_the_bound(wire):
+    """chunk_sparse(sgd(lr)) with residual_decay=0 over an int wire: a step's
+    update is -lr * mean(g) within lr * A / Q on the exchanged chunks (all
+    at step 0, then 7 of 13, packed under the static bound), exactly 0 elsewhere."""
+    lr, chunk = 0.5, 16
+    tx = jaxcomm.chunk_sparse(
+        optax.sgd(lr),
+        "data",
+        density=0.5,
+        warmup_steps=0,
+        residual_decay=0.0,
+        chunk_size=chunk,
+        wire_dtype=wire,
+    )
+    rng = np.random.default_rng(9)
+    size = 13 * chunk
+    grads = [
+        {
+            "w": (rng.standard_normal((N, size)) * 10.0 ** rng.uniform(-2, 2, size)).astype(
+                np.float32
+            )
+        }
+        for _ in range(4)
+    ]
+    updates, _, _ = run_steps(
+        tx, {"w": np.zeros(size, np.float32)}, grads, mesh_of((N,), ("data",))
+    )
+    for t, (g, upd) in enumerate(zip(grads, updates, strict=True)):
+        assert_same_on_all_devices(upd)
+        want = (-lr * g["w"].astype(np.float64).mean(0)).reshape(13, chunk)
+        got = upd["w"][0].astype(np.float64).reshape(13, chunk)
+        tol = lr * (1 / Q[wire] + ROUNDING) * np.abs(g["w"]).max()
+        close = np.all(np.abs(got - want) <= tol, axis=1)
+        zero = np.all(got == 0, axis=1)
+        assert np.all(close | zero), t
+        assert (close & ~zero).sum() == (13 if t == 0 else 7), t
+        assert np.abs(got - want)[close & ~zero].max() > 0  # the codes round
+
+
 # -- diloco -------------------------------------------------------------------
 
 
