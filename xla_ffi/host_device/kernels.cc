@@ -103,6 +103,7 @@ namespace jaxcomm::cuda {
 // The all-to-all schedule's passes, as the CudaKernels calls they fuse.
 Status LaunchEncode(cudaStream_t stream, const void* in, DType input, void* wire, DType wire_type,
                     size_t n, double prescale, bool saturate) {
+  if (n == 0) return Status::Ok();
   host_device::Enqueue(stream, [=] {
     cpu::CpuKernels& k = cpu::CpuKernels::Get();
     const DType acc = AccumulatorFor(input);
@@ -123,11 +124,13 @@ Status LaunchReduceShards(cudaStream_t stream, const void* shards, size_t stride
     auto shard = [&](int q) {
       return q == rank ? own : static_cast<const char*>(shards) + q * stride * ws;
     };
-    std::vector<char> s(count * SizeOf(acc));
-    k.Convert(s.data(), acc, shard(0), wire, count, 1.0);
-    for (int q = 1; q < nshards; ++q) k.Accumulate(s.data(), acc, shard(q), wire, count);
-    if (saturate) k.Saturate(s.data(), acc, wire, count);
-    k.Convert(out, wire, s.data(), acc, count, postscale);
+    if (count > 0) {  // a short group's last ranks may own no elements
+      std::vector<char> s(count * SizeOf(acc));
+      k.Convert(s.data(), acc, shard(0), wire, count, 1.0);
+      for (int q = 1; q < nshards; ++q) k.Accumulate(s.data(), acc, shard(q), wire, count);
+      if (saturate) k.Saturate(s.data(), acc, wire, count);
+      k.Convert(out, wire, s.data(), acc, count, postscale);
+    }
     k.Zero(static_cast<char*>(out) + count * ws, (padded - count) * ws);
   });
   return Status::Ok();
