@@ -53,10 +53,15 @@ def check_bound(axis_name, *, mesh: bool = False) -> tuple:
     axes = normalize(axis_name)
     names = tuple(bound_axes())
     where = "bound by shard_map's mesh or pmap's axis_name"
-    if not names and mesh:
-        current = jax.sharding.get_abstract_mesh()
-        if not current.empty:
-            names, where = tuple(current.axis_names), "the axes of the mesh set with jax.set_mesh"
+    current = jax.sharding.get_abstract_mesh() if mesh else None
+    if current is not None and not current.empty:
+        # A shard_map manual over some axes only leaves the mesh's others to init.
+        extra = tuple(a for a in current.axis_names if a not in names)
+        if not names:
+            where = "the axes of the mesh set with jax.set_mesh"
+        elif extra:
+            where += ", or of the current mesh"
+        names += extra
     missing = [a for a in axes if a not in names]
     if not missing:
         return axes
