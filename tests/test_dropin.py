@@ -237,3 +237,32 @@ def test_accumulate_inside_data_parallel_against_numpy():
     residual = x.astype(np.float64) @ k0 + b0  # both micro-steps saw the same batch
     want = k0 - 0.1 * 2 * x.T @ residual / len(x)
     np.testing.assert_allclose(model.kernel[...], want, rtol=1e-5)
+
+
+def test_state_specs_of_an_nnx_object_go_to_nnx_shard_map_as_they_are():
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    x = np.random.default_rng(0).standard_normal((8 * jax.device_count(), 4)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+        wire = jaxcomm.allreduce_gradients("data", wire_dtype="float16", error_feedback=True)
+        optimizer = nnx.Optimizer(model, optax.chain(wire, optax.sgd(0.1)), wrt=nnx.Param)
+        specs = jaxcomm.state_specs(optimizer, "data")
+        assert isinstance(specs, nnx.StateSharding)
+
+        @nnx.jit
+        @nnx.shard_map(
+            mesh=mesh,
+            in_specs=(nnx.StateSharding({...: jax.P()}), specs, jax.P("data")),
+            out_specs=jax.P(),
+        )
+        def step(model, optimizer, x):
+            loss, grads = jaxcomm.value_and_grad(lambda m: jnp.mean(m(x) ** 2), "data")(model)
+            optimizer.update(model, grads)
+            return lax.pmean(loss, "data")
+
+        k0 = np.asarray(model.kernel[...], np.float64)
+        b0 = np.asarray(model.bias[...], np.float64)
+        step(model, optimizer, jax.device_put(x, jax.P("data")))
+    want = k0 - 0.1 * 2 * x.T @ (x @ k0 + b0) / len(x)  # the float16 wire: 1e-3
+    np.testing.assert_allclose(model.kernel[...], want, rtol=2e-3, atol=1e-4)
+    assert optimizer.opt_state[0].residual.value["kernel"][...].shape == (jax.device_count(), 4, 1)

@@ -340,6 +340,9 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
     ``nnx.split((model, optimizer))[1]``, ``optimizer.opt_state``), and
     returns specs of the same structure.
 
+    Given an NNX object itself (an ``nnx.Optimizer``), it returns the
+    ``nnx.StateSharding`` that ``nnx.shard_map``'s ``in_specs`` take for it.
+
     A leaf placed on a mesh keeps the axes it is placed over: the state of a
     model sharded over another axis (``"fsdp"``, a tensor-parallel axis) is
     sharded like the model (:func:`per_device_copies`), and its specs say so.
@@ -364,6 +367,12 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
       >>> specs.residual.value["w"], specs.buffer
       (P('data',), ())
     """
+    if _is_nnx_object(opt_state):
+        from flax import nnx
+
+        return nnx.StateSharding(
+            state_specs(nnx.state(opt_state), axis_name, axis_names=axis_names)
+        )
     _check_wrappers(opt_state, axis_name)
     if axis_names is not None:
         specs = state_specs(opt_state, axis_name)
@@ -408,6 +417,14 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda x: isinstance(x, (PerDevice, optax.MultiStepsState))
     )
+
+
+def _is_nnx_object(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    return nnx.graph.is_graph_node(x)
 
 
 def _check_wrappers(opt_state, axis_name) -> None:
