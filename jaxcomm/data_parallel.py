@@ -13,8 +13,9 @@ BatchNorm and metrics each need care. :func:`data_parallel` takes that care:
   with ``P("data")`` is split); unplaced arrays with a leading dimension are
   split over the data axis, scalars are replicated;
 - inside: :func:`jaxcomm.value_and_grad` defaults to the data axis; each
-  device's RNG keys get its index folded in (different dropout masks per
-  device, as a global batch gets under ``jit``); ``nnx.BatchNorm`` layers
+  device's RNG keys (NNX RNG streams, and PRNG key arguments that enter
+  replicated) get its index folded in (different dropout masks per device,
+  as a global batch gets under ``jit``); ``nnx.BatchNorm`` layers
   built without ``axis_name`` normalise over the global batch, as under
   ``jit`` (their ``axis_name`` is set while the step is traced);
 - outputs: scalars that differ per device (the loss) are averaged, as are
@@ -111,7 +112,7 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
 
     def body(state, rest):
         objects = _merge(graphdef, state)
-        args, others = [], iter(rest)
+        args, others = [], iter(_device_keys(rest, in_specs[1], axis))
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
         with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
@@ -168,6 +169,12 @@ def _outputs(out, axis):
                 "pass it as an argument (it is updated in place) instead of returning it"
             )
         if axis in varying_axes(x) and not _names_axis(spec, axis):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                raise ValueError(
+                    f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} is a PRNG key "
+                    "derived from a key argument, which each device gets with its index "
+                    "folded in: split the key outside the step and pass each step its own"
+                )
             if jax.numpy.ndim(x) != 0:
                 raise ValueError(
                     f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} (shape "
@@ -232,6 +239,19 @@ def _device_rngs(objects, axis):
         yield
     finally:
         nnx.update(objects, saved)
+
+
+def _device_keys(rest, specs, axis):
+    """`rest` with each device's index folded into the replicated PRNG keys
+    (a Linen program's dropout key), as :func:`_device_rngs` does for NNX."""
+
+    def one(x, spec):
+        is_key = jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+        if not is_key or _names_axis(spec, axis):
+            return x
+        return jax.random.fold_in(x, lax.axis_index(axis))
+
+    return jax.tree.map(one, rest, specs, is_leaf=lambda s: isinstance(s, P))
 
 
 @contextlib.contextmanager

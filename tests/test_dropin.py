@@ -266,3 +266,22 @@ def test_state_specs_of_an_nnx_object_go_to_nnx_shard_map_as_they_are():
     want = k0 - 0.1 * 2 * x.T @ (x @ k0 + b0) / len(x)  # the float16 wire: 1e-3
     np.testing.assert_allclose(model.kernel[...], want, rtol=2e-3, atol=1e-4)
     assert optimizer.opt_state[0].residual.value["kernel"][...].shape == (jax.device_count(), 4, 1)
+
+
+def test_a_replicated_key_argument_draws_differently_per_device():
+    n = jax.device_count()
+
+    @jaxcomm.data_parallel
+    def draws(key, x):
+        mine = jax.random.uniform(key, x.shape[1:])
+        every = lax.all_gather(mine, "data")
+        return jnp.mean(jnp.all(every == every[0], axis=1))
+
+    assert float(draws(jax.random.key(0), jnp.ones((n, 3)))) == 1 / n
+
+    @jaxcomm.data_parallel
+    def returns_a_key(key, x):
+        return jax.random.split(key)[0]
+
+    with pytest.raises(ValueError, match="PRNG key.*split the key outside the step"):
+        returns_a_key(jax.random.key(0), jnp.ones((n, 3)))
