@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.collectives import _allreduce, _checks, _fp8, _quantized, _xla, backends
-from jaxcomm.collectives._axes import AxisPlacement, bound_axes, is_vma_typed, normalize, placement
+from jaxcomm.collectives._axes import (
+    AxisPlacement,
+    bound_axes,
+    check_bound,
+    is_vma_typed,
+    normalize,
+    placement,
+)
 from jaxcomm.collectives.backends import DEFAULT_BUCKET_BYTES, Backend
 from jaxcomm.collectives.chunk_layout import DEFAULT_CHUNK_SIZE, ChunkLayout, check_chunk_size
 from jaxcomm.collectives.wire import Wire
@@ -90,6 +97,12 @@ class Reduction:
         """Whether all of :attr:`axes` are bound here (inside shard_map / pmap)."""
         bound = bound_axes()
         return all(a in bound for a in self.axes)
+
+    def check_bound(self, *, mesh: bool = False) -> None:
+        """Raises the ValueError every entry point gives where an axis of
+        :attr:`axes` is not bound here, naming the axes that are; with
+        `mesh`, the current mesh's axes count too (a transform's init)."""
+        check_bound(self.axes, mesh=mesh)
 
     def bind(self) -> BoundReduction:
         """Resolves the backend and the schedule for the axes bound here.

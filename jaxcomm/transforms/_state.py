@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import Reduction
-from jaxcomm.collectives._axes import bound_axes, check_bound
 
 
 class PerDevice(NamedTuple):
@@ -191,8 +190,8 @@ def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     missing = [a for a in axes if a not in sizes]
-    if sizes or bound_axes():
-        check_bound(axes, mesh=True)
+    if sizes:  # under set_mesh, shard_map or pmap (whose axes make a mesh too)
+        comm.check_bound(mesh=True)
     if missing:
         raise ValueError(
             f"this transform keeps a per-device {what}, so init needs the size of axes "
