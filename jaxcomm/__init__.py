@@ -46,6 +46,8 @@ from jaxcomm.transforms import (
     local_params,
     plan_buckets,
     powersgd,
+    sparse_outer,
+    sparseloco,
     state_specs,
 )
 
@@ -77,6 +79,8 @@ __all__ = [
     "local_params",
     "plan_buckets",
     "powersgd",
+    "sparse_outer",
+    "sparseloco",
     "state_specs",
     "all_gather",
     "allreduce",

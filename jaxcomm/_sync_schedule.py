@@ -74,3 +74,47 @@ def sync_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
       ((0,), (2, 4, 0), (2, 0))
     """
     return tuple(((f + 1) * sync_every // fragments) % sync_every for f in range(fragments))
+
+
+def check_delay(delay, sync_every: int) -> int:
+    """``delay`` (τ) as an int, if 0 <= τ < ``sync_every``.
+
+    A fragment's outer update lands τ steps after its sync; its next sync
+    comes ``sync_every`` steps after the last, so it must land before that.
+    Each fragment carries its own reduced pseudo-gradient, so fragments in
+    flight at once (τ >= H/F) are fine.
+
+    Examples:
+      >>> check_delay(2, 6)
+      2
+      >>> check_delay(6, 6)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: delay=6 must be < sync_every=6: a fragment's outer update ...
+    """
+    delay = _validate.check_int("delay", delay, minimum=0)
+    if delay >= sync_every:
+        raise ValueError(
+            f"delay={delay} must be < sync_every={sync_every}: a fragment's outer update "
+            "must land before its next sync"
+        )
+    return delay
+
+
+def syncs(step, offset: int, sync_every: int):
+    """Whether a fragment with sync ``offset`` (:func:`sync_offsets`) sends its
+    pseudo-gradient after step ``step`` (from 0; an int or an int array)."""
+    return (step + 1) % sync_every == offset
+
+
+def applies(step, offset: int, sync_every: int, delay: int):
+    """Whether that fragment's outer update lands after step ``step``: ``delay``
+    steps after a sync, the first sync included (so never before it).
+
+    Examples:
+      >>> [s for s in range(12) if applies(s, 0, 4, 1)]  # syncs after 3, 7, 11
+      [4, 8]
+      >>> [s for s in range(12) if applies(s, 2, 6, 0)] == [s for s in range(12) if syncs(s, 2, 6)]
+      True
+    """
+    return ((step + 1) % sync_every == (offset + delay) % sync_every) & (step + 1 > delay)

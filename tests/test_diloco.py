@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm._sync_schedule import applies, syncs
 from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
 from tests.harness import mesh_of
 
@@ -113,31 +114,45 @@ class NpNesterov:
         return {k: -OUTER_LR * (g[k] + OUTER_MOMENTUM * trace[k]) for k in g}, trace
 
 
-def reference(inner, params, x, y, *, sync_every, fragments):
+def reference(inner, params, x, y, *, sync_every, fragments, delay=0, mixing=0.0):
     """DiLoCo in float64: per step, (global params, per-device local params,
-    names synced this step)."""
+    names whose outer update landed this step, names synced this step).
+
+    A fragment's average is taken at its sync and its outer step lands
+    ``delay`` steps later, each device then keeping ``mixing`` of its own
+    params (Streaming DiLoCo's tau and alpha)."""
     groups, offsets = FRAGMENTS[fragments], OFFSETS[sync_every, fragments]
     glob = {k: v.astype(np.float64) for k, v in params.items()}
     local = [dict(glob) for _ in range(N)]
     inner_states = [inner.init(NAMES) for _ in range(N)]
     outer = NpNesterov()
     outer_states = [outer.init(names) for names in groups]
+    pending, synced_at = [None] * len(groups), [None] * len(groups)
     out = []
     for s in range(len(x)):
         for d in range(N):
             g = _np_grad(local[d], x[s, d].astype(np.float64), y[s, d].astype(np.float64))
             u, inner_states[d] = inner.update(g, inner_states[d])
             local[d] = {k: local[d][k] + u[k] for k in NAMES}
-        synced = []
+        sent, landed = [], []
         for f, names in enumerate(groups):
-            if (s + 1) % sync_every != offsets[f]:
+            if (s + 1) % sync_every == offsets[f]:
+                pending[f] = {
+                    k: np.mean([glob[k] - local[d][k] for d in range(N)], axis=0) for k in names
+                }
+                synced_at[f] = s
+                sent += names
+        for f, names in enumerate(groups):
+            if synced_at[f] is None or s != synced_at[f] + delay:
                 continue
-            delta = {k: np.mean([glob[k] - local[d][k] for d in range(N)], axis=0) for k in names}
-            u, outer_states[f] = outer.update(delta, outer_states[f])
+            u, outer_states[f] = outer.update(pending[f], outer_states[f])
             glob = {**glob, **{k: glob[k] + u[k] for k in names}}
-            local = [{**local[d], **{k: glob[k] for k in names}} for d in range(N)]
-            synced += names
-        out.append((glob, [dict(p) for p in local], synced))
+            local = [
+                {**local[d], **{k: mixing * local[d][k] + (1 - mixing) * glob[k] for k in names}}
+                for d in range(N)
+            ]
+            landed += names
+        out.append((glob, [dict(p) for p in local], landed, sent))
     return out
 
 
@@ -229,7 +244,7 @@ def test_matches_the_float64_reference_step_by_step(case):
     want = reference(np_inner, params, x, y, sync_every=sync_every, fragments=fragments)
     total = sum(int(np.prod(s)) for s in SHAPES.values())
     syncs = 0
-    for s, ((gp, gs), (wp, wlocal, synced)) in enumerate(zip(got, want, strict=True)):
+    for s, ((gp, gs), (wp, wlocal, synced, _)) in enumerate(zip(got, want, strict=True)):
         for k in NAMES:
             np.testing.assert_allclose(gp[k], wp[k], rtol=2e-4, atol=2e-5, err_msg=f"{k} {s}")
             rows = gs.local.value[k]
@@ -256,6 +271,93 @@ def test_matches_the_float64_reference_step_by_step(case):
     assert syncs == STEPS * fragments // sync_every
 
 
+# (sync_every, fragments, delay tau, mixing alpha): tau = 3 on (6, 3) keeps two
+# fragments in flight at once.
+DELAYED = [
+    (4, 1, 0, 0.5),
+    (4, 1, 1, 0.0),
+    (4, 1, 2, 0.25),
+    (4, 1, 3, 0.0),
+    (6, 3, 1, 0.5),
+    (6, 3, 2, 0.0),
+    (6, 3, 3, 0.25),
+]
+
+
+@pytest.mark.parametrize(("sync_every", "fragments", "delay", "mixing"), DELAYED)
+def test_delay_and_mixing_match_the_float64_reference(sync_every, fragments, delay, mixing):
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(STEPS)
+    tx = _diloco(
+        optax.adam(INNER_LR),
+        sync_every=sync_every,
+        fragments=fragments,
+        delay=delay,
+        mixing=mixing,
+        backend="xla",
+    )
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(jaxcomm.local_params(state), x[0], y[0])
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        return params, state, jaxcomm.check_replicas((params, state.pending), "data")
+
+    data = P("data")
+    run = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, data, data), out_specs=(P(), specs, P())
+        )
+    )
+    p, state = jax.device_put(params, NamedSharding(mesh, P())), _put(state, mesh, specs)
+    want = reference(
+        NpAdam(),
+        params,
+        x,
+        y,
+        sync_every=sync_every,
+        fragments=fragments,
+        delay=delay,
+        mixing=mixing,
+    )
+    rows_of = NamedSharding(mesh, data)
+    landings, previous = 0, None
+    for s, (wp, wlocal, landed, sent) in enumerate(want):
+        xs, ys = jax.device_put(x[s], rows_of), jax.device_put(y[s], rows_of)
+        p, state, diff = jax.block_until_ready(run(p, state, xs, ys))
+        gp, gs = jax.tree.map(np.asarray, (p, state))
+        assert int(diff.worst()[1]) == 0, s  # global params and pending: bitwise replicas
+        for k in NAMES:
+            np.testing.assert_allclose(gp[k], wp[k], rtol=2e-4, atol=2e-5, err_msg=f"{k} {s}")
+            rows = gs.local.value[k]
+            for d in range(N):
+                np.testing.assert_allclose(
+                    rows[d], wlocal[d][k], rtol=2e-4, atol=2e-5, err_msg=f"local {k} {s} {d}"
+                )
+            if k in landed and not mixing:  # every device adopted the global params, bitwise
+                assert all(rows[d].tobytes() == gp[k].tobytes() for d in range(N)), (k, s)
+            if k not in landed and previous is not None:  # the global params did not move
+                assert gp[k].tobytes() == previous[k].tobytes(), (k, s)
+        stats = jaxcomm.get_stats(gs)
+        elements = sum(int(np.prod(SHAPES[k])) for k in sent)
+        assert int(stats.collectives) == len(sent), s  # xla: one per leaf
+        assert float(stats.payload_bytes) == 4 * elements, s
+        assert len(gs.pending) == (fragments if delay else 0)
+        landings += bool(landed)
+        previous = gp
+    syncs = STEPS * fragments // sync_every
+    assert landings == syncs - sum(  # the syncs whose tau steps run past the end
+        1
+        for f in range(fragments)
+        for s in range(STEPS)
+        if (s + 1) % sync_every == OFFSETS[sync_every, fragments][f] and s + delay >= STEPS
+    )
+
+
 def test_plan_fragments_cuts_at_the_nearest_boundary():
     assert plan_fragments([1, 5, 8, 7], 1) == ((0, 4),)
     assert plan_fragments([1, 5, 8, 7], 3) == ((0, 2), (2, 3), (3, 4))
@@ -272,6 +374,14 @@ def test_sync_offsets_follow_the_schedule():
         assert list(sync_offsets(h, f)) == offsets
     assert sync_offsets(8, 4) == (2, 4, 6, 0)
     assert sync_offsets(1, 1) == (0,)
+
+
+def test_an_outer_update_lands_delay_steps_after_its_sync():
+    for h, f, tau, _ in DELAYED:
+        for offset in sync_offsets(h, f):
+            sent = [s for s in range(40) if syncs(s, offset, h)]
+            landed = [s for s in range(40) if applies(s, offset, h, tau)]
+            assert landed == [s + tau for s in sent if s + tau < 40], (h, f, tau, offset)
 
 
 def test_narrow_wire_halves_the_payload_and_keeps_replicas_equal():
@@ -449,10 +559,11 @@ def _conditionals(comps):
 
 
 @pytest.mark.parametrize(
-    ("fragments", "backend", "bucket_bytes"),
-    [(1, "xla", None), (3, "xla", math.inf), (3, "ffi", None)],
+    ("fragments", "backend", "bucket_bytes", "delay"),
+    [(1, "xla", None, 0), (3, "xla", math.inf, 0), (3, "ffi", None, 0), (3, "xla", math.inf, 1)],
 )
-def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_bytes):
+def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_bytes, delay):
+    """With a delay too: the collective in the sync's cond, none in the landing's."""
     mesh = _mesh()
     tx = _diloco(
         optax.adam(INNER_LR),
@@ -460,6 +571,8 @@ def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_byte
         fragments=fragments,
         backend=backend,
         bucket_bytes=bucket_bytes,
+        delay=delay,
+        mixing=0.5 if delay else 0.0,
     )
     run, p, state = _start(tx, mesh, _initial_params())
     x, y = _data(1)
@@ -488,14 +601,21 @@ def _array_copies(lines) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_step_that_does_not_sync_copies_nothing(fragments):
+@pytest.mark.parametrize(("fragments", "delay", "mixing"), [(1, 0, 0.0), (2, 0, 0.0), (2, 2, 0.5)])
+def test_a_step_that_does_not_sync_copies_nothing(fragments, delay, mixing):
     """With params and state donated, a step with nothing due copies no array:
-    its update is no copy of zeros, and the outer state and the local params go
-    through their conds in place."""
+    its update is no copy of zeros, and the outer state, the local params and
+    the pending averages go through their conds in place."""
     mesh = _mesh()
     params = {k: jnp.ones((16, 8)) for k in "abcd"}  # alike: XLA would merge their zeros
-    tx = _diloco(optax.adam(INNER_LR), sync_every=6, fragments=fragments, backend="xla")
+    tx = _diloco(
+        optax.adam(INNER_LR),
+        sync_every=6,
+        fragments=fragments,
+        backend="xla",
+        delay=delay,
+        mixing=mixing,
+    )
     with jax.set_mesh(mesh):
         state = tx.init(params)
     specs = jaxcomm.state_specs(state, "data")
@@ -540,11 +660,18 @@ def test_get_stats_and_local_params_find_it_in_a_chain():
     np.testing.assert_allclose(densities, [14 / 21, 7 / 21] * 2, rtol=1e-6)
 
 
-def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"delay": 2, "mixing": 0.5}],
+    ids=["no_delay", "between_sync_and_landing"],
+)
+def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path, options):
+    """Saved after 10 steps; with a delay of 2 fragment 0 synced after step 9
+    and lands after step 11, so the checkpoint holds its pending average."""
     mesh = _mesh()
     params = _initial_params()
     x, y = _data(20)
-    tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2)
+    tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2, **options)
     run, p, state = _start(tx, mesh, params)
     _, p_straight, state_straight = _steps(run, p, state, x, y, mesh)
 
@@ -557,6 +684,8 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
     with ocp.StandardCheckpointer() as ckpt:
         p, state = ckpt.restore(tmp_path / "step10", (p, state))
     assert int(state.count) == 10
+    if options:  # the pending average of fragment 0 is in flight, and restored
+        assert any(np.asarray(v).any() for v in state.pending[0])
     _, p_resumed, state_resumed = _steps(run, p, state, x[10:], y[10:], mesh)
 
     want = jax.tree_util.tree_leaves_with_path((p_straight, state_straight))
@@ -585,6 +714,12 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path):
         ({"algorithm": "tree"}, ValueError, "algorithm="),
         ({"backend": "nccl"}, ValueError, "backend="),
         ({"bucket_bytes": -1}, ValueError, "bucket_bytes=-1"),
+        ({"delay": -1}, ValueError, "delay=-1"),
+        ({"delay": 4}, ValueError, "delay=4 must be < sync_every=4"),
+        ({"delay": 1.0}, TypeError, "delay=1.0"),
+        ({"mixing": 1.0}, ValueError, "mixing=1.0"),
+        ({"mixing": -0.5}, ValueError, "mixing=-0.5"),
+        ({"mixing": "half"}, ValueError, "mixing='half'"),
     ],
 )
 def test_bad_options_are_named_at_construction(options, error, named):

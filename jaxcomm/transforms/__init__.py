@@ -8,6 +8,7 @@ from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allr
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.diloco import DiLoCoState, diloco, local_params
 from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
+from jaxcomm.transforms.sparseloco import SparseOuter, sparse_outer, sparseloco
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -18,6 +19,7 @@ __all__ = [
     "CommStats",
     "PerDevice",
     "PowerSGDState",
+    "SparseOuter",
     "accumulate",
     "allreduce_gradients",
     "chunk_sparse",
@@ -26,5 +28,7 @@ __all__ = [
     "local_params",
     "plan_buckets",
     "powersgd",
+    "sparse_outer",
+    "sparseloco",
     "state_specs",
 ]

@@ -25,10 +25,18 @@ import numpy as np
 import optax
 
 from jaxcomm import _flat, _validate
-from jaxcomm._sync_schedule import check_sync_schedule, plan_fragments, sync_offsets
+from jaxcomm._sync_schedule import (
+    applies,
+    check_delay,
+    check_sync_schedule,
+    plan_fragments,
+    sync_offsets,
+    syncs,
+)
 from jaxcomm.collectives import reduction, to_varying
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
+from jaxcomm.transforms.sparseloco import SparseOuter
 
 
 class DiLoCoState(NamedTuple):
@@ -41,6 +49,11 @@ class DiLoCoState(NamedTuple):
         device), over that fragment's leaves as a list.
       count: int32, steps taken.
       stats: :class:`jaxcomm.CommStats` of the last step.
+      pending: with ``delay > 0``, per fragment the averaged pseudo-gradient
+        of its last sync (the same on every device), waiting to be applied;
+        ``()`` without a delay.
+      error: ``PerDevice`` error-feedback buffers of a sparse outer step
+        (:func:`jaxcomm.sparseloco`), a list per fragment; ``()`` otherwise.
     """
 
     local: _state.PerDevice
@@ -48,9 +61,11 @@ class DiLoCoState(NamedTuple):
     outer: tuple
     count: jax.Array
     stats: _state.CommStats
+    pending: tuple = ()
+    error: _state.PerDevice = _state.PerDevice(())
 
 
-_state.per_device_fields(DiLoCoState, "local", "inner")
+_state.per_device_fields(DiLoCoState, "local", "inner", "error")
 
 
 def diloco(
@@ -60,6 +75,8 @@ def diloco(
     *,
     sync_every: int,
     fragments: int = 1,
+    delay: int = 0,
+    mixing: float = 0.0,
     wire_dtype=None,
     bucket_bytes: float | None = None,
     algorithm: str = "auto",
@@ -75,21 +92,32 @@ def diloco(
 
       local <- local + inner.update(grads)                    (this device only)
       for each fragment f with (s + 1) % H == ((f + 1) * H // F) % H:
-          u = outer.update(mean(params - local)) on f's leaves;   local <- params + u
+          g_f <- mean(params - local) on f's leaves                (the collective)
+      for each fragment f whose sync was tau = delay steps ago:
+          u = outer.update(g_f) on f's leaves
+          local <- alpha * local + (1 - alpha) * (params + u)     (alpha = mixing)
 
-    and returns ``u`` on those leaves, zeros elsewhere; ``local`` adopts bitwise what
-    ``optax.apply_updates`` gives the caller. Fragments are contiguous groups of
-    leaves, about 1/F of the elements each, synced in turn ``H/F`` steps apart; a
-    step with none due sends nothing. See docs/diloco.md and docs/design.md, "DiLoCo".
+    and returns ``u`` on those leaves, zeros elsewhere; with ``alpha = 0`` ``local``
+    adopts bitwise what ``optax.apply_updates`` gives the caller. Fragments are
+    contiguous groups of leaves, about 1/F of the elements each, synced in turn
+    ``H/F`` steps apart; a step with none due sends nothing. The collective runs
+    in the sync step; its result is used ``delay`` steps later. See docs/diloco.md.
 
     Args:
       inner: the optimizer each device runs on its own gradients, e.g.
         ``optax.adamw(...)``; its state is per device and kept across syncs.
       outer: the optimizer on the averaged pseudo-gradient, e.g.
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; one state per fragment.
+        Or :func:`jaxcomm.sparse_outer` (SparseLoCo: what is sent is sparse).
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       sync_every: H, inner steps between two syncs of a fragment, >= 1.
       fragments: F, 1 <= F <= H and at most the number of leaves (checked at init).
+      delay: tau, inner steps between a fragment's sync and its outer update,
+        0 <= tau < H (Streaming DiLoCo's overlap); the steps between run on
+        the local params.
+      mixing: alpha in [0, 1): at the outer update each device keeps this
+        share of its local params and takes ``1 - alpha`` of the new global
+        ones (Streaming DiLoCo's mixing factor; 0 adopts them).
       wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16``, an 8-bit float,
         ``"int8"`` or ``"int4"`` for the pseudo-gradient, as in :func:`jaxcomm.allreduce`
         (the last four xla only; no error feedback: what a sync's encoding drops is lost).
@@ -143,8 +171,10 @@ def diloco(
       Distributed Free Lunch <https://arxiv.org/abs/2501.18512>`_, 2025
     """
     _check_optimizer("inner", inner)
-    _check_optimizer("outer", outer)
+    rule = outer if isinstance(outer, SparseOuter) else _OptaxOuter(outer)
     sync_every, fragments = check_sync_schedule(sync_every, fragments)
+    delay = check_delay(delay, sync_every)
+    mixing = _check_mixing(mixing)
     comm = reduction(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
@@ -155,12 +185,17 @@ def diloco(
     def init(params):
         leaves = jax.tree.leaves(params)
         spans = plan_fragments([int(np.size(x)) for x in leaves], fragments)
+        parts = [list(leaves[a:b]) for a, b in spans]
+        error = rule.init_error(parts, comm)
         return DiLoCoState(
             local=_state.per_device_copies(params, comm),
             inner=_state.per_device_copies(inner.init(params), comm),
-            outer=tuple(outer.init(list(leaves[a:b])) for a, b in spans),
+            outer=tuple(rule.init(part) for part in parts),
             count=jnp.int32(0),
             stats=_state.empty_stats(),
+            # Replicated like the params (zeros_like keeps their placement).
+            pending=tuple([jnp.zeros_like(x) for x in part] for part in parts) if delay else (),
+            error=error,
         )
 
     def update(updates, state, params=None):
@@ -180,26 +215,49 @@ def diloco(
         sizes = [int(np.size(x)) for x in anchor]
         spans = plan_fragments(sizes, fragments)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
-        phase = (state.count + 1) % sync_every
-        out, outer_states, sent, elements, collectives = [], [], [], [], []
+        errors = _state.local(state.error) if state.error.value else (None,) * len(spans)
+        out, outer_states, new_errors, pending = [], [], [], []
+        sent, wire, elements, collectives = [], [], [], []
         rows = [None] * len(local)
         nonfinite = jnp.bool_(False)
-        for (a, b), offset, outer_state in zip(spans, offsets, state.outer, strict=True):
-            due = phase == offset
-            # Between syncs neither cond copies. The first passes the outer
-            # state through and makes the update's buffers with lax.empty
-            # (unwritten on GPU, zeros on CPU; one per dtype, so XLA merges
-            # none), zeroed by the where: they cannot be the params', which
-            # the caller reads after the cond. The second passes the local
-            # rows through; a reshape after it made XLA copy them every step.
-            packed, outer_state, bad = jax.lax.cond(
-                due,
-                lambda ops: _sync(ops, bound, outer, theta),
-                _skip,
-                (anchor[a:b], local[a:b], outer_state),
-            )
+        for f, ((a, b), offset) in enumerate(zip(spans, offsets, strict=True)):
+            outer_state, error = state.outer[f], errors[f]
+            due = syncs(state.count, offset, sync_every)
+            if not delay:
+                # Between syncs neither cond copies. The first passes the outer
+                # state through and makes the update's buffers with lax.empty
+                # (unwritten on GPU, zeros on CPU; one per dtype, so XLA merges
+                # none), zeroed by the where: they cannot be the params', which
+                # the caller reads after the cond. The second passes the local
+                # rows through; a reshape after it made XLA copy them every step.
+                landed = due
+                packed, outer_state, error, bad = jax.lax.cond(
+                    due,
+                    lambda ops: _sync(ops, bound, rule, theta),
+                    _skip,
+                    (anchor[a:b], local[a:b], outer_state, error),
+                )
+            else:
+                # The collective runs at the sync; its result waits in the
+                # state and lands `delay` steps later. The landing reads the
+                # pending average from the sync's cond, not from the state:
+                # read by both conds, XLA copied it every step.
+                landed = applies(state.count, offset, sync_every, delay)
+                mean, error, bad = jax.lax.cond(
+                    due,
+                    lambda ops: _send(ops, bound, rule, theta),
+                    _hold,
+                    (anchor[a:b], local[a:b], error, state.pending[f]),
+                )
+                packed, outer_state = jax.lax.cond(
+                    landed,
+                    lambda ops: _land(ops, rule),
+                    _no_landing,
+                    (anchor[a:b], mean, outer_state),
+                )
+                pending.append(mean)
             unpacked = _unpack(packed, anchor[a:b])
-            u = [jnp.where(due, x, jnp.zeros_like(x)) for x in unpacked]
+            u = [jnp.where(landed, x, jnp.zeros_like(x)) for x in unpacked]
             out += u
             # The very expression the caller's optax.apply_updates builds, so
             # XLA computes it once and the adopted params are the caller's,
@@ -207,20 +265,24 @@ def diloco(
             # kernel with the outer step's multiply and it came out 1 ulp away.
             adopted = to_varying(optax.apply_updates(anchor[a:b], u), comm.axes)
             rows[a:b] = jax.lax.cond(
-                due, _adopt, _keep, [x[None] for x in adopted], [x[None] for x in local[a:b]]
+                landed,
+                _adopt if not mixing else lambda g, x: _mix(g, x, mixing),
+                _keep,
+                [x[None] for x in adopted],
+                [x[None] for x in local[a:b]],
             )
             outer_states.append(outer_state)
-            buckets = leaf_buckets(anchor[a:b], theta)
-            payload, count = buckets_payload(anchor[a:b], buckets, bound), len(buckets)
+            new_errors.append(error)
+            payload, on_wire, count, n = rule.cost(anchor[a:b], bound, theta)
             sent.append(jnp.where(due, payload, 0.0))
+            wire.append(jnp.where(due, on_wire, 0.0))
             collectives.append(jnp.where(due, count, 0))
-            elements.append(jnp.where(due, sum(sizes[a:b]), 0))
+            elements.append(jnp.where(due, n, 0))
             nonfinite = nonfinite | bad
 
-        payload = sum(sent)
         stats = _state.CommStats(
-            payload_bytes=jnp.asarray(payload, jnp.float32),
-            bytes_sent=bound.bytes_sent(payload),
+            payload_bytes=jnp.asarray(sum(sent), jnp.float32),
+            bytes_sent=jnp.asarray(sum(wire), jnp.float32),
             collectives=jnp.asarray(sum(collectives), jnp.int32),
             density=(sum(elements) / max(sum(sizes), 1)).astype(jnp.float32),
             nonfinite=nonfinite,
@@ -231,6 +293,8 @@ def diloco(
             outer=tuple(outer_states),
             count=state.count + 1,
             stats=stats,
+            pending=tuple(pending),
+            error=_state.as_row(tuple(new_errors)) if state.error.value else state.error,
         )
         return treedef.unflatten(out), new
 
@@ -283,29 +347,85 @@ def local_params(opt_state, like=None):
     return jax.tree.unflatten(want, values)
 
 
-def _sync(operands, bound, outer, theta):
+class _OptaxOuter:
+    """DiLoCo's outer step: any optax optimizer on the averaged pseudo-gradient,
+    which travels dense, in ``bucket_bytes`` buckets (:func:`jaxcomm.allreduce`)."""
+
+    def __init__(self, outer):
+        _check_optimizer("outer", outer)
+        self.outer = outer
+
+    def init(self, leaves):
+        return self.outer.init(leaves)
+
+    def init_error(self, parts, comm):
+        del parts, comm
+        return _state.PerDevice(())
+
+    def reduce(self, anchor, local, error, bound, theta):
+        delta = [g - x for g, x in zip(anchor, local, strict=True)]
+        return reduce_in_buckets(delta, bound, theta)[0], error
+
+    def step(self, mean, outer_state, anchor):
+        return self.outer.update(mean, outer_state, anchor)
+
+    def cost(self, anchor, bound, theta):
+        """(payload bytes, bytes on the wire, collectives, elements) of a sync."""
+        buckets = leaf_buckets(anchor, theta)
+        payload = buckets_payload(anchor, buckets, bound)
+        return payload, bound.bytes_sent(payload), len(buckets), sum(map(np.size, anchor))
+
+
+def _sync(operands, bound, rule, theta):
     """The outer step of one fragment: average params - local, step from params.
 
-    Returns the update packed by :func:`_pack`, the outer state and whether
-    the average held an inf or NaN.
+    Returns the update packed by :func:`_pack`, the outer state, the error
+    buffers and whether the average held an inf or NaN.
     """
-    anchor, local, outer_state = operands
-    delta = [g - x for g, x in zip(anchor, local, strict=True)]
-    mean = reduce_in_buckets(delta, bound, theta)[0]
-    u, outer_state = outer.update(mean, outer_state, anchor)
-    return _pack(u), outer_state, _state.any_nonfinite(mean)
+    anchor, local, outer_state, error = operands
+    mean, error = rule.reduce(anchor, local, error, bound, theta)
+    u, outer_state = rule.step(mean, outer_state, anchor)
+    return _pack(u), outer_state, error, _state.any_nonfinite(mean)
 
 
 def _skip(operands):
     """No sync: buffers for the update left as lax.empty makes them (the
-    caller's where reads zeros), and the outer state as it is."""
+    caller's where reads zeros), the outer state and error buffers as they are."""
+    anchor, _, outer_state, error = operands
+    return _unwritten(anchor), outer_state, error, jnp.bool_(False)
+
+
+def _send(operands, bound, rule, theta):
+    """A delayed sync: the averaged pseudo-gradient, kept until it lands."""
+    anchor, local, error, _ = operands
+    mean, error = rule.reduce(anchor, local, error, bound, theta)
+    return list(mean), error, _state.any_nonfinite(mean)
+
+
+def _hold(operands):
+    """No sync: the pending average and the error buffers as they are."""
+    _, _, error, pending = operands
+    return list(pending), error, jnp.bool_(False)
+
+
+def _land(operands, rule):
+    """A delayed outer step: the pending average, stepped from params."""
+    anchor, pending, outer_state = operands
+    u, outer_state = rule.step(pending, outer_state, anchor)
+    return _pack(u), outer_state
+
+
+def _no_landing(operands):
     anchor, _, outer_state = operands
+    return _unwritten(anchor), outer_state
+
+
+def _unwritten(anchor):
     shapes = jax.eval_shape(_pack, anchor)
-    unwritten = [
+    return [
         _varying(jax.lax.empty(x.shape, x.dtype), key[1])
         for x, key in zip(shapes, _groups(anchor), strict=True)
     ]
-    return unwritten, outer_state, jnp.bool_(False)
 
 
 def _group(x) -> tuple:
@@ -347,6 +467,13 @@ def _adopt(adopted, local):
     return adopted
 
 
+def _mix(adopted, local, mixing: float):
+    """Streaming DiLoCo's merge: keep ``mixing`` of the local params."""
+    return [
+        (mixing * x + (1 - mixing) * g).astype(x.dtype) for g, x in zip(adopted, local, strict=True)
+    ]
+
+
 def _keep(adopted, local):
     """No sync: the local params as the inner step left them."""
     del adopted
@@ -361,6 +488,15 @@ def _check_local_grads(bound, grads) -> None:
             "diloco takes each device's own gradient, taken at jaxcomm.local_params(state); "
             f"this one is the same on every device (taken at the global params?): {error}"
         ) from error
+
+
+def _check_mixing(mixing) -> float:
+    if not _validate.is_real(mixing) or not 0 <= mixing < 1:
+        raise ValueError(
+            f"mixing={mixing!r} must be in [0, 1): the share of its local params a device "
+            "keeps when an outer update lands (0 takes the global params)"
+        )
+    return float(mixing)
 
 
 def _check_optimizer(name: str, tx: Any) -> None:
