@@ -18,7 +18,6 @@ import numpy as np
 import optax
 
 from jaxcomm import _validate
-from jaxcomm.collectives._axes import is_vma_typed
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
 
@@ -190,7 +189,9 @@ class SparseOuter:
                 or [jnp.zeros(0, jnp.uint8)]
             )
             axes = bound.reduction.axes
-            to = "invarying" if is_vma_typed(blob, axes) else "varying"
+            # Typed as the same on every device where types say so (shard_map).
+            typed = set(axes) <= set(_state.varying_axes(blob))
+            to = "invarying" if typed else "varying"
             gathered = jax.lax.all_gather(blob, axes, tiled=False, to=to)
             shapes = [
                 (jnp.shape(picks[i][0]), jnp.shape(acc[i]), self._length(acc[i])) for i in indices
