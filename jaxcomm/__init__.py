@@ -26,7 +26,6 @@ from jaxcomm.collectives import (
     to_varying,
 )
 from jaxcomm.costmodel import plan
-from jaxcomm.data_parallel import data_parallel
 from jaxcomm.grad import grad, value_and_grad
 from jaxcomm.local_grad import local_grad, local_value_and_grad
 from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
@@ -41,6 +40,7 @@ from jaxcomm.transforms import (
     accumulate,
     allreduce_gradients,
     chunk_sparse,
+    data_parallel,
     diloco,
     get_stats,
     local_params,

@@ -12,28 +12,13 @@ local and everything else behaves as under ``nnx.value_and_grad``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Sequence
 
 import jax
 
 from jaxcomm.collectives import to_varying
 from jaxcomm.local_grad import local_grad, local_value_and_grad
-
-# The data axis of the jaxcomm.data_parallel step being traced, if any: the
-# default axis_name of value_and_grad and grad inside it.
-_STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_step_axis", default=None)
-
-
-@contextlib.contextmanager
-def step_axis(axis_name):
-    """Makes `axis_name` the default of :func:`value_and_grad` while tracing a step."""
-    token = _STEP_AXIS.set(axis_name)
-    try:
-        yield
-    finally:
-        _STEP_AXIS.reset(token)
+from jaxcomm.transforms.data_parallel import current_axis
 
 
 def value_and_grad(
@@ -114,7 +99,7 @@ def _differentiate(with_value, fun, axis_name, argnums, has_aux):
 
 
 def _axis(axis_name):
-    axes = _STEP_AXIS.get() if axis_name is None else axis_name
+    axes = current_axis() if axis_name is None else axis_name
     if axes is None:
         raise ValueError(
             "axis_name is required outside jaxcomm.data_parallel: pass the axis the "

@@ -6,6 +6,7 @@ from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_spe
 from jaxcomm.transforms.accumulate import AccumulateState, accumulate
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
+from jaxcomm.transforms.data_parallel import data_parallel
 from jaxcomm.transforms.diloco import DiLoCoState, diloco, local_params
 from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 from jaxcomm.transforms.sparseloco import SparseOuter, sparse_outer, sparseloco
@@ -23,6 +24,7 @@ __all__ = [
     "accumulate",
     "allreduce_gradients",
     "chunk_sparse",
+    "data_parallel",
     "diloco",
     "get_stats",
     "local_params",
