@@ -109,6 +109,14 @@ class Wire:
             return size * -(-elements // size) + _fp8.scale_bytes(size, parts)
         return elements * self.for_input(dtype).itemsize
 
+    def exchange_bytes(self, elements: int, size: int, parts: int = 1) -> tuple[int, int]:
+        """(all-to-all, all-gather) result bytes of an integer wire's
+        allreduce of `elements` in `parts` parts over `size` devices, float32
+        scales (what the cost model prices)."""
+        if not self.quantized:
+            raise ValueError(f"exchange_bytes is an integer wire's count, not {self.dtype}'s")
+        return _quantized.exchange_bytes(elements, parts, size, self.dtype)
+
     def for_input(self, dtype) -> np.dtype:
         """The dtype that travels for an input of `dtype`."""
         return np.dtype(dtype) if self.dtype is None else self.dtype
