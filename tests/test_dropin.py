@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -285,3 +286,17 @@ def test_a_replicated_key_argument_draws_differently_per_device():
 
     with pytest.raises(ValueError, match="PRNG key.*split the key outside the step"):
         returns_a_key(jax.random.key(0), jnp.ones((n, 3)))
+
+
+def test_the_readme_jit_snippet_runs_and_learns(capsys):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## In a program written for `jit`") :]
+    section = section[: section.index("\n## ", 1)]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    loss = float(capsys.readouterr().out.split()[-1])
+    start = float(np.mean(scope["x"][:, :4] ** 2))  # the untrained model's error is about this
+    assert loss < 0.3 * start, (loss, start)
+    kernel = scope["model"].layers[0].kernel[...]
+    assert kernel.sharding.is_fully_replicated  # the state comes back replicated
