@@ -409,3 +409,94 @@ def test_the_diloco_docs_example_runs_and_prints_what_it_says():
     scope = {}
     exec("\n".join(lines), scope)
     assert f"{eval(expr, scope):.3f} s" == comment
+
+
+# --- Streaming DiLoCo's delay and SparseLoCo -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "delay", "overlap", "cycle"),
+    [
+        # TWO: 3 s of compute a step, H = 4, the model's 8e8 bytes in one bucket.
+        (1e9, 1, False, 12.8),  # in its step, as jaxcomm runs it: as without a delay
+        (1e9, 1, True, 12.0),  # 0.8 s hides under the next step
+        # 8 s: the landing one step later waits 5 s (sync at T, lands at T + 8,
+        # three more steps to the next sync at T + 17).
+        (1e8, 1, True, 17.0),
+        (1e8, 3, True, 12.0),  # three steps (9 s) hide all of it
+        (1e8, 3, False, 20.0),
+    ],
+)
+def test_a_delay_hides_the_sync_only_with_overlap(bandwidth, delay, overlap, cycle):
+    settings = Settings(sync_every=4, bucket_bytes=math.inf, delay=delay, overlap=overlap)
+    r = simulate(TWO, _net(bandwidth=bandwidth), settings)
+    assert r.iteration_time == pytest.approx(cycle / 4)
+    (c,) = r.collectives
+    assert c.end - c.start == pytest.approx(8e8 / bandwidth)
+    assert r.communication_time == pytest.approx(8e8 / bandwidth / 4)
+
+
+def test_sparseloco_all_gather_grows_with_the_ranks():
+    import jaxcomm
+    from jaxcomm.transforms.sparseloco import payload_bytes
+
+    outer = jaxcomm.sparse_outer(density=0.02, chunk_size=4096, exchange="all_gather")
+    w = Workload((GradientTensor(1_000_000, 0.0),), forward_time=0.0, batch=1)
+    payload = payload_bytes([1_000_000], chunk_size=4096, density=0.02, value_bits=2)
+    for p in (2, 8, 64):
+        r = simulate(w, _net(p=p, bandwidth=1e6), Settings(sync_every=1, sparse_outer=outer))
+        (c,) = r.collectives
+        assert c.kind == "sparse pseudo-gradient" and c.nbytes == payload
+        # A ring all-gather of p rows: p - 1 steps of one row each.
+        assert c.end - c.start == pytest.approx((p - 1) * payload / 1e6)
+    dense = Settings(sync_every=1, sparse_outer=jaxcomm.sparse_outer(exchange="dense"))
+    (c,) = simulate(w, _net(p=8), dense).collectives
+    assert c.kind == "pseudo-gradient" and c.nbytes == 4_000_000
+
+
+@pytest.mark.parametrize("exchange", ["auto", "all_gather", "dense"])
+def test_sparseloco_payload_is_jaxcomms(exchange):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jaxcomm
+    from tests.harness import mesh_of
+    from tests.test_diloco import _run_simple
+
+    shapes = {"a": (5000,), "b": (300,), "c": (70, 70)}
+    tx = jaxcomm.sparseloco(
+        optax.sgd(0.1), "data", sync_every=1, density=0.03, exchange=exchange, bucket_bytes=0
+    )
+    params = {k: jnp.ones(s) for k, s in shapes.items()}
+    rng = np.random.default_rng(0)
+    grads = [{k: rng.standard_normal((8, *s)).astype(np.float32) for k, s in shapes.items()}]
+    ((_, state),) = _run_simple(tx, mesh_of((8,), ("data",)), "data", params, grads)
+    stats = jaxcomm.get_stats(state)
+    outer = jaxcomm.sparse_outer(density=0.03, exchange=exchange)
+    r = simulate(_workload(shapes), _net(p=8), Settings(sync_every=1, sparse_outer=outer))
+    assert sum(c.nbytes for c in r.collectives) == float(stats.payload_bytes)
+    assert len(r.collectives) == int(stats.collectives)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(sync_every=4, delay=4),
+        dict(sync_every=4, delay=-1),
+        dict(delay=1),
+        dict(sparse_outer="sparse"),
+    ],
+)
+def test_bad_delay_and_sparse_settings(kwargs):
+    with pytest.raises(ValueError, match="delay|sparse_outer"):
+        Settings(**kwargs)
+
+
+def test_sparse_outer_of_another_type_or_on_an_integer_wire_is_refused():
+    import jaxcomm
+
+    with pytest.raises(TypeError, match="sparse_outer="):
+        Settings(sync_every=4, sparse_outer="sparse")
+    with pytest.raises(ValueError, match="wire_dtype='int8'"):
+        Settings(sync_every=4, wire_dtype="int8", sparse_outer=jaxcomm.sparse_outer())

@@ -58,6 +58,12 @@ def parse_args(argv=None):
         "--residual-decay", type=float, default=None, help="override 'csc' residual decay"
     )
     p.add_argument("--dc", type=float, default=None, help="override 'db+dc' strength λ")
+    p.add_argument(
+        "--sync-every", type=int, default=None, help="override DiLoCo's H (diloco, sparseloco)"
+    )
+    p.add_argument(
+        "--sparse-density", type=float, default=None, help="override 'sparseloco' density"
+    )
     p.add_argument("--train-bytes", type=int, default=data.TRAIN_BYTES)
     p.add_argument("--val-bytes", type=int, default=data.VAL_BYTES)
     p.add_argument("--out", default=OUT, help="directory of the PNG and JSON ('' for none)")
@@ -96,6 +102,10 @@ def comm_for(name: str, args) -> train.Comm:
                 overrides[field] = value
     if comm.delay_compensation is not None and args.dc is not None:
         overrides["delay_compensation"] = args.dc
+    if comm.sync_every is not None and args.sync_every is not None:
+        overrides["sync_every"] = args.sync_every
+    if comm.sparse_density is not None and args.sparse_density is not None:
+        overrides["sparse_density"] = args.sparse_density
     return dataclasses.replace(comm, **overrides)
 
 

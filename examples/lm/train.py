@@ -58,6 +58,12 @@ class Comm:
       powersgd_rank: PowerSGD at this rank (None: not PowerSGD).
       sync_every: DiLoCo with AdamW inside, synchronising every this many
         steps through the outer optimizer ``OUTER_SGD`` (None: not DiLoCo).
+      delay: DiLoCo's outer update lands this many steps after its sync
+        (Streaming DiLoCo's tau).
+      mixing: at a landing each device keeps this share of its own params
+        (Streaming DiLoCo's alpha).
+      sparse_density: SparseLoCo's outer step (``OUTER_SPARSE``) in place of
+        ``OUTER_SGD``, sending this fraction of each chunk (None: dense).
     """
 
     wire_dtype: str | None = None
@@ -71,11 +77,17 @@ class Comm:
     residual_decay: float = 0.9
     powersgd_rank: int | None = None
     sync_every: int | None = None
+    delay: int = 0
+    mixing: float = 0.0
+    sparse_density: float | None = None
 
 
 # DiLoCo's outer step, as in the DiLoCo paper: Nesterov momentum on the
 # averaged change of the devices' models.
 OUTER_SGD = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+# SparseLoCo's, as in its paper: an error buffer decayed by 0.95 in place of
+# the momentum, top-k of chunks of 4096, 2-bit values, outer learning rate 1.
+OUTER_SPARSE = dict(learning_rate=1.0, error_decay=0.95, chunk_size=4096, value_bits=2)
 
 CONFIGURATIONS = {
     "dense": Comm(),
@@ -89,6 +101,8 @@ CONFIGURATIONS = {
     "csc": Comm(density=0.15),
     "powersgd": Comm(powersgd_rank=4),
     "diloco": Comm(sync_every=50),
+    "diloco+delay": Comm(sync_every=50, delay=5, mixing=0.5),
+    "sparseloco": Comm(sync_every=50, sparse_density=0.02),
 }
 
 
@@ -127,9 +141,18 @@ def make_optimizer(run: Run) -> optax.GradientTransformation:
     comm = run.comm
     adamw = optax.adamw(learning_rate(run), b1=run.b1)
     if comm.sync_every is not None:
-        outer = optax.sgd(**OUTER_SGD)
+        if comm.sparse_density is None:
+            outer = optax.sgd(**OUTER_SGD)
+        else:
+            outer = jaxcomm.sparse_outer(density=comm.sparse_density, **OUTER_SPARSE)
         return jaxcomm.diloco(
-            adamw, outer, AXIS, sync_every=comm.sync_every, wire_dtype=comm.wire_dtype
+            adamw,
+            outer,
+            AXIS,
+            sync_every=comm.sync_every,
+            delay=comm.delay,
+            mixing=comm.mixing,
+            wire_dtype=comm.wire_dtype,
         )
     if comm.powersgd_rank is not None:
         powersgd = jaxcomm.powersgd(AXIS, rank=comm.powersgd_rank, wire_dtype=comm.wire_dtype)

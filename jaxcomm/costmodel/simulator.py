@@ -60,7 +60,16 @@ Rules:
   every step ``s`` with ``(s + 1) % H`` equal to its offset
   (:func:`jaxcomm._sync_schedule.sync_offsets`), in the buckets of
   ``bucket_bytes`` within the fragment, at the wire's width; nothing runs
-  beside the sync (it is part of its step), so ``overlap`` does not apply.
+  beside the sync (it is part of its step, as jaxcomm's program runs it).
+  With ``delay=τ > 0`` and ``overlap`` the sync's collectives instead run
+  beside compute and the landing step ``τ`` later waits for them (what a
+  transport carrying a collective across steps would give; jaxcomm's
+  program does not); the result is then the third cycle's, steady.
+  ``sparse_outer`` (SparseLoCo) sends each fragment as one all-gather of
+  ``SparseOuter.payload`` bytes per device (a ring of ``p`` such rows:
+  :meth:`Cluster.allgather_time`), or, where
+  ``SparseOuter.exchange_for`` picks the dense exchange, as DiLoCo's
+  buckets of float32 values.
   The result is per step, averaged over a cycle of ``H`` steps:
   ``iteration_time`` is the cycle's time over ``H``, ``communication_time``
   its collectives' time over ``H``, and ``collectives`` the cycle's, each
@@ -111,7 +120,14 @@ import math
 
 import numpy as np
 
-from jaxcomm._sync_schedule import check_sync_schedule, plan_fragments, sync_offsets
+from jaxcomm._sync_schedule import (
+    applies,
+    check_delay,
+    check_sync_schedule,
+    plan_fragments,
+    sync_offsets,
+    syncs,
+)
 from jaxcomm._validate import (
     check_bucket_bytes,
     check_fraction,
@@ -123,6 +139,7 @@ from jaxcomm._validate import (
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, _quantized
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
+from jaxcomm.transforms.sparseloco import SparseOuter
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
 NORM_ITEMSIZE = 4  # CSC's chunk norms are reduced in float32
@@ -218,6 +235,12 @@ class Settings:
       sync_every: ``None`` (every step communicates) or DiLoCo's ``H``, as
         :func:`jaxcomm.diloco`'s.
       fragments: Streaming DiLoCo's ``F`` (1: DiLoCo), as :func:`jaxcomm.diloco`'s.
+      delay: Streaming DiLoCo's ``tau``, as :func:`jaxcomm.diloco`'s. With
+        ``overlap`` the sync's collectives run beside the next ``tau`` steps'
+        compute; without it they run in the sync step, as jaxcomm's program
+        runs them.
+      sparse_outer: ``None`` (DiLoCo's dense pseudo-gradient) or
+        :func:`jaxcomm.sparse_outer`'s result: SparseLoCo's exchange.
     """
 
     wire_dtype: object = "float32"
@@ -231,6 +254,8 @@ class Settings:
     min_compression_rate: float = 2.0
     sync_every: int | None = None
     fragments: int = 1
+    delay: int = 0
+    sparse_outer: SparseOuter | None = None
 
     def __post_init__(self):
         check_bucket_bytes(self.bucket_bytes)
@@ -261,13 +286,26 @@ class Settings:
         check_positive_integer("fragments", self.fragments)
         if self.sync_every is not None:
             check_sync_schedule(self.sync_every, self.fragments)
+            check_delay(self.delay, self.sync_every)
             if self.density < 1 or self.double_buffering or self.powersgd_rank is not None:
                 raise ValueError(
                     f"sync_every={self.sync_every}: diloco has no density, double_buffering "
                     "or powersgd_rank"
                 )
-        elif self.fragments != 1:
-            raise ValueError(f"fragments={self.fragments} needs sync_every (DiLoCo's H)")
+            if self.sparse_outer is not None and not isinstance(self.sparse_outer, SparseOuter):
+                raise TypeError(
+                    f"sparse_outer={self.sparse_outer!r} must be jaxcomm.sparse_outer(...)'s result"
+                )
+            if self.sparse_outer is not None and self.scaled:
+                raise ValueError(
+                    f"wire_dtype={self.wire_dtype!r}: SparseLoCo's dense exchange over an FP8, "
+                    "int8 or int4 wire is not modelled"
+                )
+        elif self.fragments != 1 or self.delay != 0 or self.sparse_outer is not None:
+            raise ValueError(
+                f"fragments={self.fragments}, delay={self.delay}, sparse_outer="
+                f"{self.sparse_outer!r} need sync_every (DiLoCo's H)"
+            )
 
     @property
     def fp8(self) -> bool:
@@ -302,7 +340,8 @@ class Collective:
     """One allreduce on the network: which tensors (backward indices), bytes, times.
 
     ``kind``: ``"gradients"``, ``"norms"`` (chunk-sparse), ``"P"`` or ``"Q"``
-    (PowerSGD's factors), ``"pseudo-gradient"`` (DiLoCo's sync). ``nbytes``
+    (PowerSGD's factors), ``"pseudo-gradient"`` (DiLoCo's sync), ``"sparse
+    pseudo-gradient"`` (SparseLoCo's all-gather). ``nbytes``
     is the payload as jaxcomm counts it (an FP8 wire's exponents included).
     """
 
@@ -381,29 +420,55 @@ def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result
 
 
 def _diloco(workload: Workload, cluster: Cluster, settings: Settings) -> Result:
-    """One cycle of H steps: compute each, then the fragments due (see simulate)."""
-    steps, compute = settings.sync_every, workload.compute_time
+    """Cycles of H steps: compute each, then the fragments due (see simulate)."""
+    steps, compute, delay = settings.sync_every, workload.compute_time, settings.delay
     tree = workload.tensors[::-1]  # fragments and buckets follow the tree order
     spans = plan_fragments([t.elements for t in tree], settings.fragments)
     offsets = sync_offsets(steps, settings.fragments)
-    collectives, clock = [], 0.0
-    for step in range(steps):
+    hidden = settings.overlap and delay > 0
+    # Hidden collectives can end in the next cycle: the third is steady.
+    cycles = 3 if hidden else 1
+    collectives, clock, network_free, lands = [], 0.0, 0.0, {}
+    for step in range(cycles * steps):
+        if step == (cycles - 1) * steps:
+            collectives, start_of_cycle = [], clock
         clock += compute
-        for (first, stop), offset in zip(spans, offsets, strict=True):
-            if (step + 1) % steps != offset:
+        for f, ((first, stop), offset) in enumerate(zip(spans, offsets, strict=True)):
+            if hidden and applies(step, offset, steps, delay) and f in lands:
+                clock = max(clock, lands.pop(f))  # the landing waits for its average
+            if not syncs(step, offset, steps):
                 continue
-            sizes = [t.elements * GRADIENT_ITEMSIZE for t in tree[first:stop]]
-            for bucket in plan_buckets(sizes, settings.bucket_bytes):
-                leaves = [first + i for i in bucket]
-                elements = sum(tree[i].elements for i in leaves)
-                nbytes, seconds = _gradient_collective(elements, len(leaves), cluster, settings)
+            for leaves, nbytes, seconds, kind in _sync_collectives(
+                tree, first, stop, cluster, settings
+            ):
                 backward = tuple(len(tree) - 1 - i for i in leaves)
-                collectives.append(
-                    Collective(backward, nbytes, clock, clock, clock + seconds, "pseudo-gradient")
-                )
-                clock += seconds
+                begin = max(clock, network_free)
+                network_free = begin + seconds
+                collectives.append(Collective(backward, nbytes, clock, begin, network_free, kind))
+                if not hidden:
+                    clock = network_free
+            lands[f] = network_free
     communication = sum(c.end - c.start for c in collectives) / steps
-    return _result(workload, cluster, clock / steps, communication, collectives)
+    return _result(workload, cluster, (clock - start_of_cycle) / steps, communication, collectives)
+
+
+def _sync_collectives(tree, first: int, stop: int, cluster: Cluster, settings: Settings):
+    """(tree indices, payload bytes, seconds, kind) of each collective of one
+    fragment's sync: DiLoCo's buckets, or SparseLoCo's all-gather or dense
+    buckets of float32 values, as :meth:`SparseOuter.exchange_for` picks."""
+    sparse = settings.sparse_outer
+    sizes = [t.elements for t in tree[first:stop]]
+    if sparse is not None and sparse.exchange_for(sizes, cluster.p) == "all_gather":
+        payload = sparse.payload(sizes)
+        seconds = cluster.allgather_time(cluster.p * payload)
+        return [(list(range(first, stop)), payload, seconds, "sparse pseudo-gradient")]
+    out = []
+    for bucket in plan_buckets([n * GRADIENT_ITEMSIZE for n in sizes], settings.bucket_bytes):
+        leaves = [first + i for i in bucket]
+        elements = sum(tree[i].elements for i in leaves)
+        nbytes, seconds = _gradient_collective(elements, len(leaves), cluster, settings)
+        out.append((leaves, nbytes, seconds, "pseudo-gradient"))
+    return out
 
 
 def _result(workload, cluster, iteration, communication, collectives) -> Result:

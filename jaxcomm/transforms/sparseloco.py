@@ -133,24 +133,31 @@ class SparseOuter:
             payload = buckets_payload(dense, buckets, bound)
             return payload, bound.bytes_sent(payload), len(buckets), sent
         groups = {_state.varying_axes(x) for x in anchor}
-        payload = self._payload(sizes)
+        payload = self.payload(sizes)
         return payload, (bound.size - 1) * payload, len(groups), sent
 
     # -- the pieces ----------------------------------------------------------
 
-    def _payload(self, sizes) -> int:
+    def payload(self, sizes) -> int:
+        """Bytes one device puts into the all-gather for leaves of ``sizes``
+        elements (:func:`payload_bytes` with these settings)."""
         return payload_bytes(
             sizes, chunk_size=self.chunk_size, density=self.density, value_bits=self.value_bits
         )
+
+    def exchange_for(self, sizes, devices: int) -> str:
+        """The exchange a fragment of leaves of ``sizes`` elements runs over
+        ``devices``: ``exchange``, or under ``"auto"`` :func:`choose_exchange`
+        against float32 values scattered densely. The cost model asks here too."""
+        if self.exchange != "auto":
+            return self.exchange
+        return choose_exchange(self.payload(sizes), 4 * sum(sizes), devices)
 
     def _length(self, x) -> int:
         return leaf_plan(int(np.size(x)), self.chunk_size, self.density)[1]
 
     def _exchange(self, anchor, bound) -> str:
-        if self.exchange != "auto":
-            return self.exchange
-        dense = 4 * sum(int(np.size(x)) for x in anchor)
-        return choose_exchange(self._payload([np.size(x) for x in anchor]), dense, bound.size)
+        return self.exchange_for([int(np.size(x)) for x in anchor], bound.size)
 
     def _compress(self, x):
         """(positions (chunks, k) int32, codes (chunks, k) uint8, scale (chunks,)
