@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from jaxcomm import _validate
+from jaxcomm.collectives import to_varying
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
 
@@ -190,7 +191,7 @@ class SparseOuter:
         for i, x in enumerate(acc):
             groups.setdefault(_state.varying_axes(x), []).append(i)
         mean = [None] * len(acc)
-        for indices in groups.values():
+        for key, indices in groups.items():
             blob = jnp.concatenate(
                 [_encode(picks[i], self.value_bits) for i in indices if np.size(acc[i])]
                 or [jnp.zeros(0, jnp.uint8)]
@@ -215,7 +216,11 @@ class SparseOuter:
                     out.append(total + _scatter(where, values, shape, length))
                 return out
 
+            # Typed as the gathered rows are: over the mesh's other axes
+            # (a sharded model's "fsdp") each device adds its own shards.
+            others = tuple(a for a in key if a not in axes)
             sums = [jnp.zeros(jnp.shape(acc[i]), jnp.float32) for i in indices]
+            sums = [to_varying(x, others) if others else x for x in sums]
             sums = jax.lax.fori_loop(0, gathered.shape[0], add, sums)
             for i, total in zip(indices, sums, strict=True):
                 mean[i] = total / gathered.shape[0]
