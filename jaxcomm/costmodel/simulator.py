@@ -35,7 +35,7 @@ Rules:
   ``pα`` against the ring's ``2(p-1)α``.
 * An integer wire (``int8``, ``int4``) runs the same all-to-all and
   all-gather with a float32 scale per chunk of 256 elements: its bytes are
-  jaxcomm's own count (``jaxcomm.collectives._quantized.exchange_bytes``):
+  jaxcomm's own count (``jaxcomm.collectives.Wire.exchange_bytes``):
   a byte an element for int8, half a byte for int4, 4 bytes a chunk.
 * PowerSGD (``powersgd_rank``): a leaf of ``shape`` with ``ndim >= 2`` is
   viewed as ``(shape[0], prod(shape[1:]))`` and compressed when
@@ -136,7 +136,7 @@ from jaxcomm._validate import (
     check_positive_integer,
     check_positive_real,
 )
-from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, _quantized
+from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, Wire
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
 from jaxcomm.transforms.sparseloco import SparseOuter
@@ -501,9 +501,7 @@ def _gradient_collective(
         seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
         return (to_all + gathered) // 2, seconds  # p(r + k + 1)
     if settings.integer:
-        to_all, gathered = _quantized.exchange_bytes(
-            elements, parts, cluster.p, settings.wire_dtype
-        )
+        to_all, gathered = Wire.of(settings.wire_dtype).exchange_bytes(elements, cluster.p, parts)
         seconds = cluster.alltoall_time(to_all) + cluster.allgather_time(gathered)
         return (to_all + gathered) // 2, seconds
     nbytes = elements * settings.density * settings.wire_itemsize
