@@ -348,7 +348,9 @@ def gradient_exchange(config: str, inner, axes=AXES):
             jaxcomm.allreduce_gradients(axes, backend=backend, **options[config]), inner
         )
     if config == "powersgd_r4":
-        return optax.chain(jaxcomm.powersgd(axes, rank=4, backend="xla"), inner)
+        return optax.chain(
+            jaxcomm.powersgd(axes, rank=4, start_step=0, mask=None, backend="xla"), inner
+        )
     if config == "diloco_h10":
         # The DiLoCo paper's outer optimizer (bench/quality_worker.py's default).
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)

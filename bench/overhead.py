@@ -80,7 +80,9 @@ def configurations() -> dict[str, Callable[[], optax.GradientTransformation]]:
             optax.sgd(LR), "data", density=0.15, backend="ffi"
         ),
         "fp8": lambda: optax.chain(dense("data", wire_dtype=jnp.float8_e4m3fn), sgd),
-        "powersgd r4": lambda: optax.chain(jaxcomm.powersgd("data", rank=4), sgd),
+        "powersgd r4": lambda: optax.chain(
+            jaxcomm.powersgd("data", rank=4, start_step=0, mask=None), sgd
+        ),
         # A step that does not sync: local work only, nothing to communicate.
         "diloco (no sync)": lambda: jaxcomm.diloco(
             optax.sgd(LR), optax.sgd(0.7, momentum=0.9, nesterov=True), "data", sync_every=10**6

@@ -162,7 +162,7 @@ CONFIGS = {
     "sparse-adamw": lambda: jaxcomm.chunk_sparse(
         optax.adamw(1e-2), "data", density=0.25, chunk_size=16, warmup_steps=2
     ),
-    "powersgd": lambda: jaxcomm.powersgd("data", rank=1, start_step=2),
+    "powersgd": lambda: jaxcomm.powersgd("data", rank=1, start_step=2, mask=None),
     "float8-ef": lambda: jaxcomm.allreduce_gradients(
         "data", wire_dtype=jnp.float8_e4m3fn, error_feedback=True
     ),

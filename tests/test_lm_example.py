@@ -86,12 +86,13 @@ def test_sharded_model_trains_as_the_replicated_one():
 
 
 def test_powersgd_and_diloco_configurations_train():
-    """PowerSGD rank 4 and DiLoCo (outer Nesterov SGD 0.7, momentum 0.9) are
-    configurations like the others. On 10 steps DiLoCo syncs every 5 (50 in
-    the table): 2 syncs of the whole model in float32 each, so it sends
-    2/10 of what dense sends; PowerSGD sends its factors, far less."""
+    """PowerSGD with its defaults and DiLoCo (outer Nesterov SGD 0.7, momentum
+    0.9) are configurations like the others. On 10 steps DiLoCo syncs every 5
+    (50 in the table): 2 syncs of the whole model in float32 each, so it
+    sends 2/10 of what dense sends; PowerSGD is in its 50 dense steps, so it
+    sends what dense sends (tests/test_powersgd.py checks what follows)."""
     (train,) = example_modules.load("lm", "train")
-    assert train.CONFIGURATIONS["powersgd"].powersgd_rank == 4
+    assert train.CONFIGURATIONS["powersgd"].powersgd  # with the transform's defaults
     assert train.CONFIGURATIONS["diloco"].sync_every == 50
     assert train.OUTER_SGD == dict(learning_rate=0.7, momentum=0.9, nesterov=True)
     corpus = data.load_corpus(**SMALL)
@@ -104,7 +105,7 @@ def test_powersgd_and_diloco_configurations_train():
         if comm is diloco:
             assert result["bytes_per_step"] == pytest.approx(0.2 * dense["bytes_per_step"])
         else:
-            assert result["bytes_per_step"] < 0.2 * dense["bytes_per_step"]
+            assert result["bytes_per_step"] == pytest.approx(dense["bytes_per_step"])
 
 
 def test_plot_shows_the_first_point():

@@ -12,6 +12,7 @@ bitwise after every step.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import subprocess
@@ -53,6 +54,16 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def mesh():
     return mesh_of((N,), ("data",))
+
+
+# The algorithm as the reference replays it: compressed from the first step,
+# every matrix the size rule takes. The defaults' warm-up, mask and rank are
+# pinned by name in "Defaults" below.
+ALGORITHM = dict(start_step=0, mask=None)
+
+
+def _powersgd(axis="data", **options):
+    return jaxcomm.powersgd(axis, **{**ALGORITHM, **options})
 
 
 def _params(shapes=SHAPES):
@@ -142,9 +153,12 @@ def reference_step(g, e, q, t, mats, *, start_step=0, error_feedback=True, warm_
     return out, e, q
 
 
-def reference(grads_seq, *, rank, rate=2.0, seed=0, **options):
-    """PowerSGD run free over grads_seq: (mean gradients, final residuals, final Q)."""
-    mats = compressed_matrices({k: v.shape[1:] for k, v in grads_seq[0].items()}, rank, rate)
+def reference(grads_seq, *, rank, rate=2.0, seed=0, mats=None, **options):
+    """PowerSGD run free over grads_seq: (mean gradients, final residuals, final
+    Q); `mats` (name -> (rows, cols, rank)) overrides the one-rank rule."""
+    if mats is None:
+        shapes = {k: v.shape[1:] for k, v in grads_seq[0].items()}
+        mats = compressed_matrices(shapes, rank, rate)
     e = {k: np.zeros((N, rows, cols)) for k, (rows, cols, _) in mats.items()}
     q, means = _draws(mats, seed, 0), []
     for t, g in enumerate(grads_seq):
@@ -300,7 +314,7 @@ def test_matches_the_reference_step_by_step(mesh, name):
     opts, opt = CONFIGS[name]["opts"], CONFIGS[name]["opt"]
     grads = _grads()
     inner = optax.sgd(0.1, momentum=0.9) if opt == "sgd" else optax.adam(1e-2)
-    tx = optax.chain(jaxcomm.powersgd("data", **opts), inner)
+    tx = optax.chain(_powersgd(**opts), inner)
     updates, states, _ = run_as_users_do(tx, _params(), grads, mesh)
 
     mats = compressed_matrices(SHAPES, opts["rank"], opts.get("min_compression_rate", 2.0))
@@ -344,7 +358,7 @@ def test_residual_is_what_the_approximation_missed(mesh):
     """Error feedback closes the books: summed over steps, the mean of what
     was applied plus the mean residual left is exactly the summed mean gradient."""
     grads = _grads(steps=6)
-    updates, states, _ = run_as_users_do(jaxcomm.powersgd("data", rank=1), _params(), grads, mesh)
+    updates, states, _ = run_as_users_do(_powersgd(rank=1), _params(), grads, mesh)
     compressed = [k for k, s in SHAPES.items() if _is_compressed(s, 1, 2.0)]
     assert len(compressed) == 5  # h_below too at rank 1
     residuals = states[-1].residual.value
@@ -394,21 +408,21 @@ def test_one_collective_for_p_one_for_q_one_dense(mesh):
     dense one into P's (they are independent; Q's needs P's result), so the
     compiled module holds two all-reduce ops carrying the same three
     operands. ffi custom calls are not combined: three of them."""
-    tx = jaxcomm.powersgd("data", rank=2, backend="xla")
+    tx = _powersgd(rank=2, backend="xla")
     lowered = _lowered(tx, mesh)
     assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) == 3
     compiled = lowered.compile().as_text()
     assert _all_reduce_sizes(compiled) == sorted([P_ELEMENTS, Q_ELEMENTS, DENSE_ELEMENTS])
     assert len(re.findall(r" all-reduce\(", compiled)) == 2
 
-    ffi = _lowered(jaxcomm.powersgd("data", rank=2, backend="ffi"), mesh).compile().as_text()
+    ffi = _lowered(_powersgd(rank=2, backend="ffi"), mesh).compile().as_text()
     assert ffi.count('custom_call_target="jaxcomm_allreduce') == 3
 
 
 def test_before_start_step_one_dense_collective_in_its_own_branch(mesh):
     """With start_step > 0 the step is a cond: one dense all-reduce of every
     leaf in the dense branch, the three of PowerSGD in the other."""
-    lowered = _lowered(jaxcomm.powersgd("data", rank=2, start_step=3, backend="xla"), mesh)
+    lowered = _lowered(_powersgd(rank=2, start_step=3, backend="xla"), mesh)
     assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) == 4
     sizes = _all_reduce_sizes(lowered.compile().as_text())
     assert sizes == sorted([P_ELEMENTS, Q_ELEMENTS, DENSE_ELEMENTS, ALL_ELEMENTS])
@@ -421,19 +435,17 @@ def _stats_per_step(tx, mesh, steps):
 
 def test_stats_count_what_travels(mesh):
     sent = P_ELEMENTS + Q_ELEMENTS + DENSE_ELEMENTS
-    dense, compressed = _stats_per_step(jaxcomm.powersgd("data", rank=2, start_step=1), mesh, 2)
+    dense, compressed = _stats_per_step(_powersgd(rank=2, start_step=1), mesh, 2)
     assert dense.payload_bytes == 4 * ALL_ELEMENTS and dense.collectives == 1
     assert dense.density == 1 and not dense.nonfinite
     assert compressed.payload_bytes == 4 * sent and compressed.collectives == 3
     assert compressed.bytes_sent == np.float32(4 * sent * 2 * 7 / 8)
     assert compressed.density == np.float32(sent / ALL_ELEMENTS)
 
-    (fp16,) = _stats_per_step(jaxcomm.powersgd("data", rank=2, wire_dtype="float16"), mesh, 1)
+    (fp16,) = _stats_per_step(_powersgd(rank=2, wire_dtype="float16"), mesh, 1)
     assert fp16.payload_bytes == 2 * sent and fp16.density == compressed.density
 
-    (vectors,) = _stats_per_step(
-        jaxcomm.powersgd("data", rank=2, min_compression_rate=math.inf), mesh, 1
-    )
+    (vectors,) = _stats_per_step(_powersgd(rank=2, min_compression_rate=math.inf), mesh, 1)
     assert vectors.collectives == 1 and vectors.payload_bytes == 4 * ALL_ELEMENTS
 
 
@@ -448,7 +460,7 @@ def test_zero_gradient_neither_nans_nor_sticks(mesh):
     shapes = {"w": (16, 8)}
     grads = _grads(steps=4, shapes=shapes)
     grads[0]["w"][:] = 0
-    updates, states, _ = run_as_users_do(jaxcomm.powersgd("data"), _params(shapes), grads, mesh)
+    updates, states, _ = run_as_users_do(_powersgd(rank=1), _params(shapes), grads, mesh)
     assert not updates[0]["w"].any() and not states[1].q[0].any()
     assert np.abs(updates[1]["w"]).max() > 0.1
     means, _, _ = reference(grads, rank=1)
@@ -465,7 +477,7 @@ def test_dependent_column_of_p_becomes_zero(mesh):
     m = np.zeros((16, 8), np.float32)
     m[0] = v
     grads = [{"w": np.broadcast_to(m, (N, 16, 8)).copy()}]
-    tx = jaxcomm.powersgd("data", rank=2)
+    tx = _powersgd(rank=2)
     updates, states, _ = run_as_users_do(tx, _params({"w": (16, 8)}), grads, mesh)
     np.testing.assert_allclose(updates[0]["w"], m, rtol=1e-6, atol=1e-6)
     q = states[1].q[0]
@@ -479,9 +491,7 @@ def test_nonfinite_gradient_is_flagged_everywhere_and_leaves_no_trace(mesh):
     grads = _grads(steps=4)
     grads[2]["b_kernel"][5, 7, 3] = np.inf
     sgd = optax.sgd(0.1, momentum=0.9)
-    tx = optax.chain(
-        jaxcomm.powersgd("data", rank=2), optax.apply_if_finite(sgd, max_consecutive_errors=3)
-    )
+    tx = optax.chain(_powersgd(rank=2), optax.apply_if_finite(sgd, max_consecutive_errors=3))
     _, states, params = run_as_users_do(tx, _params(), grads, mesh)
     flags = [bool(jaxcomm.get_stats(s).nonfinite) for s in states[1:]]
     assert flags == [False, False, True, False]
@@ -495,9 +505,7 @@ def test_nonfinite_gradient_is_flagged_everywhere_and_leaves_no_trace(mesh):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
     skipped = grads[:2] + grads[3:]
-    _, _, want = run_as_users_do(
-        optax.chain(jaxcomm.powersgd("data", rank=2), sgd), _params(), skipped, mesh
-    )
+    _, _, want = run_as_users_do(optax.chain(_powersgd(rank=2), sgd), _params(), skipped, mesh)
     for k in SHAPES:  # a different program (cond) may round the last bit differently
         np.testing.assert_allclose(params[k], want[k], rtol=1e-6, atol=1e-6)
 
@@ -505,7 +513,7 @@ def test_nonfinite_gradient_is_flagged_everywhere_and_leaves_no_trace(mesh):
 def test_under_pmap():
     steps = 3
     grads = _grads(steps=steps)
-    tx = optax.chain(jaxcomm.powersgd("i", rank=2), optax.sgd(0.1))
+    tx = optax.chain(_powersgd("i", rank=2), optax.sgd(0.1))
 
     def step(p, s, g):
         u, s = tx.update(g, s, p)
@@ -567,8 +575,9 @@ def test_warning_names_a_vector_or_a_masked_leaf(mesh):
 
 
 def test_a_compressible_leaf_does_not_warn(mesh):
-    """(16 + 16) * 1 * 2 = 64 <= 256: the kernel is compressed, so no warning,
-    though the bias stays dense; an empty tree has nothing to warn about."""
+    """At the default rank 16 // 4 = 4, (16 + 16) * 4 * 2 = 256 <= 256: the
+    kernel is compressed, so no warning, though the bias stays dense; an empty
+    tree has nothing to warn about."""
     params = {"kernel": jnp.zeros((16, 16)), "bias": jnp.zeros(16)}
     assert _init_warnings(jaxcomm.powersgd("data"), params, mesh) == []
     assert _init_warnings(jaxcomm.powersgd("data"), {}, mesh) == []
@@ -594,6 +603,7 @@ BAD = [
     (dict(wire_dtype=jnp.int16), TypeError, "wire_dtype=int16"),
     (dict(algorithm="tree"), ValueError, "algorithm='tree'"),
     (dict(backend="mpi"), ValueError, "backend='mpi'"),
+    (dict(mask="all"), ValueError, "mask='all' must be 'auto', None"),
     (dict(mask={"w": 1}), TypeError, "mask['w']=1 must be True or False"),
     (dict(mask={"w": [True, "no"]}), TypeError, "mask['w'][1]='no' must be True or False"),
 ]
@@ -617,7 +627,7 @@ def test_mask_errors_name_the_leaf_or_the_structure(mesh):
         with pytest.raises(ValueError, match="mask's structure .* is not the gradients'"):
             tx.init(params)
         # A prefix is enough: one flag for the whole of "b".
-        state = jaxcomm.powersgd("data", mask={"a": True, "b": False}).init(params)
+        state = jaxcomm.powersgd("data", rank=1, mask={"a": True, "b": False}).init(params)
         assert [q.shape for q in state.q] == [(8, 1)]
 
 
@@ -635,6 +645,116 @@ def test_docs_mask_example_keeps_the_embeddings_dense(mesh):
     with jax.set_mesh(mesh):
         state = scope["tx"].init(params)
     assert [q.shape for q in _psgd(state).q] == [(128, 4)]  # only the kernel's
+
+
+# ---------------------------------------------------------------------------
+# Defaults: what jaxcomm.powersgd("data") compresses, at which rank, from when.
+
+# A small transformer as Flax lays it out (kernels (in, out)), tree order =
+# key order: the embedding (vocabulary 40 x width 16, tied to the output)
+# and the position table (context 8) have first dimensions no other matrix
+# has; every kernel's first dimension is a width some other matrix has too.
+TRANSFORMER = {
+    "a_embed": (40, 16),
+    "b_position": (8, 16),
+    "c_qkv": (16, 48),
+    "d_out": (16, 16),
+    "e_mlp_in": (16, 64),
+    "f_mlp_out": (64, 16),
+    "g_norm": (16,),
+    "h_bias": (48,),
+}
+
+
+def numpy_auto_mask(shapes: dict) -> dict:
+    """The docstring's rule: with two matrices or more, a matrix whose first
+    dimension is no dimension of any other matrix stays dense."""
+    matrices = [k for k, s in shapes.items() if len(s) >= 2]
+    if len(matrices) < 2:
+        return {k: True for k in shapes}
+    return {
+        k: len(s) < 2 or s[0] in {d for j in matrices if j != k for d in shapes[j]}
+        for k, s in shapes.items()
+    }
+
+
+def numpy_default_rank(rows: int, cols: int) -> int:
+    return min(max(1, min(rows, cols) // 4), rows, cols)
+
+
+def default_matrices(shapes: dict, rate=2.0) -> dict:
+    """name -> (rows, cols, rank) that the defaults compress, from the two rules."""
+    mats = {}
+    for k, s in shapes.items():
+        if len(s) < 2 or not numpy_auto_mask(shapes)[k]:
+            continue
+        rows, cols = s[0], int(np.prod(s[1:]))
+        r = numpy_default_rank(rows, cols)
+        if (rows + cols) * r * rate <= rows * cols:
+            mats[k] = (rows, cols, r)
+    return mats
+
+
+def test_default_choices_by_name(mesh):
+    """The defaults on the small transformer: the embedding and the position
+    table dense, every kernel compressed at min(rows, cols) // 4 = 4, and 50
+    dense steps first."""
+    defaults = {k: v.default for k, v in inspect.signature(jaxcomm.powersgd).parameters.items()}
+    assert (defaults["rank"], defaults["start_step"], defaults["mask"]) == (None, 50, "auto")
+    assert default_matrices(TRANSFORMER) == {
+        "c_qkv": (16, 48, 4),
+        "d_out": (16, 16, 4),
+        "e_mlp_in": (16, 64, 4),
+        "f_mlp_out": (64, 16, 4),
+    }
+    params = {k: jnp.zeros(s) for k, s in TRANSFORMER.items()}
+    with jax.set_mesh(mesh):
+        state = jaxcomm.powersgd("data").init(params)
+    assert [q.shape for q in state.q] == [(48, 4), (16, 4), (64, 4), (16, 4)]
+    assert [r.shape[1:] for r in state.residual.value] == [(16, 48), (16, 16), (16, 64), (64, 16)]
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        # One matrix: nothing to compare its dimensions with, so compressed.
+        {"kernel": (64, 32), "bias": (32,)},
+        # An MLP over 20 input features: the first layer dense, the rest at
+        # ranks 64 // 4 = 16 (on the size rule's boundary) and 10 // 4 = 2.
+        {"w1": (20, 64), "w2": (64, 64), "w3": (64, 10), "b": (64,)},
+        # Convolutions (kh, kw, in, out): their rows, kh = 3, recur in the
+        # other kernel; compressed at rank 1.
+        {"conv1": (3, 3, 8, 16), "conv2": (3, 3, 16, 32), "dense": (32, 40), "head": (40, 7)},
+        # A width equal to the vocabulary: the embedding is then compressed.
+        {"embed": (32, 32), "kernel": (32, 96)},
+    ],
+)
+def test_default_rules_match_numpy(mesh, shapes):
+    params = {k: jnp.zeros(s) for k, s in shapes.items()}
+    with jax.set_mesh(mesh):
+        state = jaxcomm.powersgd("data").init(params)
+    want = default_matrices(shapes)
+    assert want  # each case compresses something
+    assert [q.shape for q in state.q] == [(c, r) for _, c, r in want.values()]
+
+
+def test_defaults_match_the_reference_around_the_switch(mesh):
+    """jaxcomm.powersgd("data") on the transformer, 53 steps: the 50 dense
+    ones exactly the mean, then the reference's PowerSGD on the default
+    matrices at their default ranks, from the Q drawn at step 0."""
+    steps = 53
+    grads = _grads(steps=steps, shapes=TRANSFORMER)
+    updates, states, _ = run_as_users_do(
+        jaxcomm.powersgd("data"), _params(TRANSFORMER), grads, mesh
+    )
+    mats = default_matrices(TRANSFORMER)
+    means, _, _ = reference(grads, rank=None, mats=mats, start_step=50)
+    for t in range(steps):
+        for k in TRANSFORMER:
+            _close(updates[t][k], means[t][k], f"step {t}, {k}")
+    assert int(states[-1].count) == steps
+    stats = jaxcomm.get_stats(states[50]), jaxcomm.get_stats(states[51])
+    assert [int(s.collectives) for s in stats] == [1, 3]
 
 
 def test_numpy_scalars_are_valid_options():
@@ -661,7 +781,7 @@ def test_state_carried_as_rows_and_16_bit_gradients(mesh):
     result and the residual keep bfloat16."""
     shapes = {"b": (16,), "w": (32, 16)}
     grads = _grads(steps=4, shapes=shapes)
-    tx = optax.chain(jaxcomm.powersgd("data", rank=2, start_step=2), optax.sgd(0.1))
+    tx = optax.chain(_powersgd(rank=2, start_step=2), optax.sgd(0.1))
     updates, params, state = run_steps(tx, _params(shapes), grads, mesh)
     assert_same_on_all_devices(params, "params")
     means, _, _ = reference(grads, rank=2, start_step=2)
@@ -671,7 +791,7 @@ def test_state_carried_as_rows_and_16_bit_gradients(mesh):
 
     bf16 = [{k: v.astype(jnp.bfloat16) for k, v in g.items()} for g in grads]
     params16 = {k: v.astype(jnp.bfloat16) for k, v in _params(shapes).items()}
-    updates, _, state = run_steps(jaxcomm.powersgd("data", rank=2), params16, bf16, mesh)
+    updates, _, state = run_steps(_powersgd(rank=2), params16, bf16, mesh)
     assert updates[-1]["w"].dtype == jnp.bfloat16 and updates[-1]["b"].dtype == jnp.bfloat16
     assert state.residual.value[0].dtype == jnp.bfloat16 and state.q[0].dtype == np.float32
     means, _, _ = reference(
@@ -687,7 +807,7 @@ def test_checkpoint_round_trip(mesh, tmp_path):
     state (per-device residuals, Q, counter, the optimizer's) goes on to
     end 6 steps bitwise where the run without the stop ends."""
     grads = _grads(steps=6)
-    tx = optax.chain(jaxcomm.powersgd("data", rank=2, start_step=1), optax.adam(1e-2))
+    tx = optax.chain(_powersgd(rank=2, start_step=1), optax.adam(1e-2))
     with jax.set_mesh(mesh):
         state = tx.init(_params())
     run, specs = _user_step(tx, mesh, state)

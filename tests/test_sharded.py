@@ -38,6 +38,11 @@ def _same_over_data(params):
             assert copies.setdefault(key, data) == data, f"{k}{key} differs over data"
 
 
+# PowerSGD compressing from the first step every matrix its size rule
+# takes, not its defaults' dense warm-up and embedding rule.
+COMPRESS_ALL = dict(start_step=0, mask=None)
+
+
 def _momentum():
     return optax.sgd(0.1, momentum=0.9)
 
@@ -128,7 +133,9 @@ def test_diloco_on_a_sharded_model(shape, fragments):
 def test_powersgd_at_full_rank_is_dense(shape):
     """Rank min(rows, cols): P Q^T is the gradient itself (w1 split by rows,
     w2 by columns, b averaged densely)."""
-    tx = optax.chain(jaxcomm.powersgd("data", rank=8, min_compression_rate=0.01), _momentum())
+    tx = optax.chain(
+        jaxcomm.powersgd("data", rank=8, min_compression_rate=0.01, **COMPRESS_ALL), _momentum()
+    )
     params, state, data = sm.run(tx, sm.mesh(*shape), STEPS)
     _close(params, sm.reference(_momentum(), data), 1e-4, 1e-5)
     _same_over_data(params)
@@ -143,7 +150,13 @@ def test_powersgd_sharded_matches_the_replicated_model(shape, rank, warm_start):
 
     def make():
         return optax.chain(
-            jaxcomm.powersgd("data", rank=rank, warm_start=warm_start, min_compression_rate=1.0),
+            jaxcomm.powersgd(
+                "data",
+                rank=rank,
+                warm_start=warm_start,
+                min_compression_rate=1.0,
+                **COMPRESS_ALL,
+            ),
             _momentum(),
         )
 
@@ -326,7 +339,7 @@ EXPLICIT = [
     (
         "powersgd_full_rank",
         lambda: optax.chain(
-            jaxcomm.powersgd("data", rank=8, min_compression_rate=0.01), _momentum()
+            jaxcomm.powersgd("data", rank=8, min_compression_rate=0.01, **COMPRESS_ALL), _momentum()
         ),
         0,
         1e-4,
@@ -367,7 +380,7 @@ ALIKE = [
     (
         "powersgd_rank1",
         lambda: optax.chain(
-            jaxcomm.powersgd("data", rank=1, min_compression_rate=1.0), _momentum()
+            jaxcomm.powersgd("data", rank=1, min_compression_rate=1.0, **COMPRESS_ALL), _momentum()
         ),
     ),
     (
@@ -396,7 +409,7 @@ def test_both_styles_train_alike(case):
         ),
         lambda: jaxcomm.chunk_sparse(optax.adam(1e-2), "data", density=0.25, chunk_size=2),
         lambda: optax.chain(
-            jaxcomm.powersgd("data", rank=1, min_compression_rate=1.0), _momentum()
+            jaxcomm.powersgd("data", rank=1, min_compression_rate=1.0, **COMPRESS_ALL), _momentum()
         ),
         lambda: jaxcomm.diloco(optax.adam(1e-2), optax.sgd(0.7), "data", sync_every=2),
     ],

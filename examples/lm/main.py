@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=train.Run.lr, help="AdamW learning rate")
     p.add_argument("--b1", type=float, default=train.Run.b1, help="AdamW's β1 (momentum)")
     p.add_argument("--lr-warmup", type=int, default=0, help="linear lr warm-up steps")
+    p.add_argument("--layers", type=int, default=train.Run.layers, help="transformer blocks")
+    p.add_argument("--width", type=int, default=train.Run.width, help="model width")
+    p.add_argument("--heads", type=int, default=train.Run.heads, help="attention heads")
     p.add_argument("--eval-every", type=int, default=train.Run.eval_every)
     p.add_argument("--density", type=float, default=None, help="override 'csc' density")
     p.add_argument("--chunk-size", type=int, default=None, help="override 'csc' chunk size")
@@ -58,6 +61,7 @@ def parse_args(argv=None):
         "--residual-decay", type=float, default=None, help="override 'csc' residual decay"
     )
     p.add_argument("--dc", type=float, default=None, help="override 'db+dc' strength λ")
+    p.add_argument("--rank", type=int, default=None, help="override 'powersgd' rank")
     p.add_argument(
         "--sync-every", type=int, default=None, help="override DiLoCo's H (diloco, sparseloco)"
     )
@@ -102,6 +106,8 @@ def comm_for(name: str, args) -> train.Comm:
                 overrides[field] = value
     if comm.delay_compensation is not None and args.dc is not None:
         overrides["delay_compensation"] = args.dc
+    if comm.powersgd and args.rank is not None:
+        overrides["powersgd_rank"] = args.rank
     if comm.sync_every is not None and args.sync_every is not None:
         overrides["sync_every"] = args.sync_every
     if comm.sparse_density is not None and args.sparse_density is not None:
@@ -132,6 +138,9 @@ def run_all(args, on_result=None) -> dict:
                 lr=args.lr,
                 b1=args.b1,
                 lr_warmup=args.lr_warmup,
+                layers=args.layers,
+                width=args.width,
+                heads=args.heads,
                 eval_every=args.eval_every,
                 train_bytes=args.train_bytes,
                 val_bytes=args.val_bytes,

@@ -55,7 +55,9 @@ class Comm:
       warmup_steps: chunk-sparse warm-up from dense to ``density``.
       residual_decay: chunk-sparse factor on the unsent gradient (momentum
         correction; 0 drops what was not sent).
-      powersgd_rank: PowerSGD at this rank (None: not PowerSGD).
+      powersgd: PowerSGD before AdamW, with ``jaxcomm.powersgd``'s defaults
+        but for ``powersgd_rank``.
+      powersgd_rank: PowerSGD's rank (None: its default, from each matrix's shape).
       sync_every: DiLoCo with AdamW inside, synchronising every this many
         steps through the outer optimizer ``OUTER_SGD`` (None: not DiLoCo).
       delay: DiLoCo's outer update lands this many steps after its sync
@@ -75,6 +77,7 @@ class Comm:
     chunk_size: int = 1024
     warmup_steps: int = 30
     residual_decay: float = 0.9
+    powersgd: bool = False
     powersgd_rank: int | None = None
     sync_every: int | None = None
     delay: int = 0
@@ -99,7 +102,7 @@ CONFIGURATIONS = {
     "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
     "db+wp": Comm(double_buffering=True, weight_prediction=True),
     "csc": Comm(density=0.15),
-    "powersgd": Comm(powersgd_rank=4),
+    "powersgd": Comm(powersgd=True),
     "diloco": Comm(sync_every=50),
     "diloco+delay": Comm(sync_every=50, delay=5, mixing=0.5),
     "sparseloco": Comm(sync_every=50, sparse_density=0.02),
@@ -154,8 +157,9 @@ def make_optimizer(run: Run) -> optax.GradientTransformation:
             mixing=comm.mixing,
             wire_dtype=comm.wire_dtype,
         )
-    if comm.powersgd_rank is not None:
-        powersgd = jaxcomm.powersgd(AXIS, rank=comm.powersgd_rank, wire_dtype=comm.wire_dtype)
+    if comm.powersgd:
+        rank = {} if comm.powersgd_rank is None else {"rank": comm.powersgd_rank}
+        powersgd = jaxcomm.powersgd(AXIS, wire_dtype=comm.wire_dtype, **rank)
         return optax.chain(powersgd, adamw)
     if comm.density is not None:
         return jaxcomm.chunk_sparse(

@@ -68,28 +68,42 @@ class _Matrix(NamedTuple):
     col_axes: tuple = ()
 
 
+# The defaults' choices (docs/powersgd.md, "Defaults", has the measurements).
+# Dense steps before compression: the first, fast-changing gradients go whole.
+DEFAULT_START_STEP = 50
+# Without a rank, a matrix's is min(rows, cols) / this: its factors are
+# (rows + cols) / (4 min(rows, cols)) of it, 2x smaller for a square one
+# (the default min_compression_rate's bound).
+DEFAULT_RANK_DIVISOR = 4
+
+
 def powersgd(
     axis_name,
     *,
-    rank: int = 1,
-    start_step: int = 0,
+    rank: int | None = None,
+    start_step: int = DEFAULT_START_STEP,
     min_compression_rate: float = 2.0,
     error_feedback: bool = True,
     warm_start: bool = True,
     seed: int = 0,
-    mask=None,
+    mask="auto",
     wire_dtype=None,
     algorithm: str = "auto",
     backend: str = "auto",
 ) -> optax.GradientTransformation:
-    """Averages gradients over ``axis_name``, sending large matrices as rank-``rank`` factors.
+    """Averages gradients over ``axis_name``, sending large matrices as low-rank factors.
 
     Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`,
     inside ``jax.shard_map`` or ``jax.pmap``. A leaf of ``ndim >= 2`` is a matrix
-    M of shape ``(shape[0], prod(shape[1:]))``, compressed at rank ``min(rank,
-    rows, cols)`` when ``(rows + cols) * rank * min_compression_rate <= rows *
-    cols``. Each step, for each such M, with ``e`` this device's residual, ``Q``
-    the last step's factor and ``mean`` over the devices::
+    M of shape ``(shape[0], prod(shape[1:]))``, compressed at rank ``r = min(rank,
+    rows, cols)`` (without ``rank``: ``max(1, min(rows, cols) // 4)``) when ``mask``
+    allows it and ``(rows + cols) * r * min_compression_rate <= rows * cols``. The
+    default ``mask="auto"`` keeps dense a matrix whose first dimension is no
+    dimension of any other matrix of the tree (an embedding or position table, or
+    a first layer over raw inputs: a sum of one outer product per token, far from
+    low rank), where the tree has two matrices or more. The first ``start_step``
+    steps are dense. Each compressed step, for each M, with ``e`` this device's
+    residual, ``Q`` the last step's factor and ``mean`` over the devices::
 
       M <- g + e;   P <- gram_schmidt(mean(M Q));   Q <- mean(M^T P)
       out = P Q^T (the same on every device);       e <- M - P Q^T
@@ -100,15 +114,18 @@ def powersgd(
 
     Args:
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
-      rank: columns of P and Q, a positive int.
-      start_step: steps averaged densely before compression starts, an int >= 0.
+      rank: columns of P and Q, a positive int; ``None`` (default): ``min(rows,
+        cols) // 4`` per matrix, at least 1.
+      start_step: steps averaged densely before compression starts, an int >= 0
+        (default 50).
       min_compression_rate: compress only where the factors are this many times
         smaller than the matrix; > 0.
       error_feedback: keep ``e`` per device and add it to the next step's gradient.
       warm_start: start each step from the last step's Q (zero columns redrawn).
       seed: seed of the standard normal Q draws, ``fold_in(key(seed), step)``, >= 0.
-      mask: ``None``, or (as optax's ``mask``) a pytree of bools, or a callable of
-        the params/gradients giving one: False keeps a leaf dense (a tied embedding).
+      mask: ``"auto"`` (the rule above), ``None`` (every matrix may be compressed),
+        or (as optax's ``mask``) a pytree of bools or a callable of the
+        params/gradients giving one: False keeps a leaf dense.
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every collective;
         the factors are computed in float32 (float64 for float64 gradients).
       algorithm: as in :func:`jaxcomm.allreduce`.
@@ -124,7 +141,7 @@ def powersgd(
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-      >>> tx = optax.chain(jaxcomm.powersgd("data", rank=2), optax.sgd(0.1))
+      >>> tx = optax.chain(jaxcomm.powersgd("data", rank=2, start_step=0), optax.sgd(0.1))
       >>> params = {"kernel": jnp.zeros((64, 32)), "bias": jnp.zeros(32)}
       >>> with jax.set_mesh(mesh):
       ...     state = tx.init(params)
@@ -167,15 +184,17 @@ def powersgd(
 
     def matrices(tree, leaves) -> list[_Matrix]:
         layout = layouts.get(jax.tree.structure(tree))
-        return _matrices(leaves, rank, min_compression_rate, _allowed(mask, tree), layout)
+        allowed = _allowed(mask, tree, layout)
+        return _matrices(leaves, rank, min_compression_rate, allowed, layout)
 
     def init(params):
         leaves, treedef = jax.tree.flatten(params)
         layouts[treedef] = tuple(_layout(x) for x in leaves)
         mats = matrices(params, leaves)
         if not mats and leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
+            layout = layouts[treedef]
             _warn_nothing_compressed(
-                params, layouts[treedef], _allowed(mask, params), rank, min_compression_rate
+                params, layout, _allowed(mask, params, layout), mask, rank, min_compression_rate
             )
         residual = ()
         if error_feedback:
@@ -248,7 +267,8 @@ def powersgd(
 def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask):
     """Every option of :func:`powersgd` that ``reduction`` does not check
     (a callable ``mask`` only once it has a tree to answer for)."""
-    rank = _validate.check_positive_integer("rank", rank)
+    if rank is not None:
+        rank = _validate.check_positive_integer("rank", rank)
     start_step = _validate.check_count("start_step", start_step)
     if not _validate.is_real(min_compression_rate):
         raise TypeError(f"min_compression_rate={min_compression_rate!r} must be a number")
@@ -256,7 +276,10 @@ def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_
     _validate.check_flag("error_feedback", error_feedback)
     _validate.check_flag("warm_start", warm_start)
     seed = _validate.check_count("seed", seed)
-    if mask is not None and not callable(mask):
+    if isinstance(mask, str):
+        if mask != "auto":
+            raise ValueError(f"mask={mask!r} must be 'auto', None, a pytree of bools or a callable")
+    elif mask is not None and not callable(mask):
         _check_mask_leaves(mask, "mask")
     return rank, start_step, min_compression_rate, seed
 
@@ -267,10 +290,14 @@ def _check_mask_leaves(mask, what: str):
         _validate.check_flag(f"{what}{jax.tree_util.keystr(path)}", flag)
 
 
-def _allowed(mask, tree) -> list[bool] | None:
-    """Per leaf of `tree`, in tree order: may it be compressed? None: all may."""
+def _allowed(mask, tree, layout=None) -> list[bool] | None:
+    """Per leaf of `tree`, in tree order: may it be compressed? None: all may.
+    `layout` (per leaf, from :func:`_layout`) gives sharded leaves' whole shapes."""
     if mask is None:
         return None
+    if isinstance(mask, str):  # "auto"
+        shapes = [shape for shape, _ in layout] if layout is not None else None
+        return _auto_mask(shapes or [np.shape(x) for x in jax.tree.leaves(tree)])
     if callable(mask):
         mask = mask(tree)
         _check_mask_leaves(mask, "mask(...)")
@@ -283,6 +310,30 @@ def _allowed(mask, tree) -> list[bool] | None:
             f"or a prefix of it ({jax.tree.structure(tree)})"
         ) from e
     return [bool(f) for f in jax.tree.leaves(flags)]
+
+
+def _auto_mask(shapes) -> list[bool]:
+    """mask="auto": False for a matrix whose first dimension is no dimension of
+    any other matrix (an embedding table's vocabulary, a position table's
+    context, a first layer's input features), where there are two matrices or
+    more; True for every other leaf. Hidden widths recur across layers; the
+    axis a table is indexed along does not, and its gradient (one outer
+    product per token) is far from low rank."""
+    matrices = [i for i, s in enumerate(shapes) if len(s) >= 2]
+    allowed = [True] * len(shapes)
+    if len(matrices) < 2:
+        return allowed
+    for i in matrices:
+        others = {d for j in matrices if j != i for d in shapes[j]}
+        allowed[i] = shapes[i][0] in others
+    return allowed
+
+
+def _rank_of(rank: int | None, rows: int, cols: int) -> int:
+    """The rank a `rows` x `cols` matrix is compressed at."""
+    if rank is None:
+        rank = max(1, min(rows, cols) // DEFAULT_RANK_DIVISOR)
+    return min(rank, rows, cols)
 
 
 def _vary_like(new, old):
@@ -302,7 +353,7 @@ def _layout(x) -> tuple:
 
 
 def _matrices(
-    leaves, rank: int, min_compression_rate: float, allowed, layout=None
+    leaves, rank: int | None, min_compression_rate: float, allowed, layout=None
 ) -> list[_Matrix]:
     """The leaves worth compressing (and `allowed`, unless None), in tree
     order, with their matrix views. `layout` (from :func:`_layout`, per
@@ -317,28 +368,35 @@ def _matrices(
         if any(axes[2:]):
             continue
         rows, cols = shape[0], math.prod(shape[1:])
-        if (rows + cols) * rank * min_compression_rate <= rows * cols:
+        r = _rank_of(rank, rows, cols)
+        if (rows + cols) * r * min_compression_rate <= rows * cols:
             row_axes, col_axes = (axes[0], axes[1]) if axes else ((), ())
-            out.append(_Matrix(i, rows, cols, min(rank, rows, cols), row_axes, col_axes))
+            out.append(_Matrix(i, rows, cols, r, row_axes, col_axes))
     return out
 
 
-def _warn_nothing_compressed(params, layout, allowed, rank: int, rate: float) -> None:
+def _warn_nothing_compressed(params, layout, allowed, mask, rank, rate: float) -> None:
     """Says so at init where no leaf is compressed: every step would then send
     the whole gradient densely, and nothing else would show it but the stats."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     i = max(range(len(paths)), key=lambda j: math.prod(layout[j][0]))
     shape = layout[i][0]
     if allowed is not None and not allowed[i]:
-        why = "mask keeps it dense"
+        why = (
+            "mask='auto' keeps it dense: its first dimension is no other matrix's (an "
+            "embedding's); pass mask=None to compress it"
+            if isinstance(mask, str)
+            else "mask keeps it dense"
+        )
     elif len(shape) < 2:
         why = "it is not matrix-shaped (ndim < 2)"
     elif any(layout[i][1][2:]):
         why = "it is split over the mesh past its second dimension"
     else:
         rows, cols = shape[0], math.prod(shape[1:])
+        r = _rank_of(rank, rows, cols)
         why = (
-            f"as a {rows} x {cols} matrix its rank-{rank} factors, {(rows + cols) * rank} "
+            f"as a {rows} x {cols} matrix its rank-{r} factors, {(rows + cols) * r} "
             f"elements, are not min_compression_rate={rate:g} times smaller than its "
             f"{rows * cols}"
         )
