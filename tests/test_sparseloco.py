@@ -390,3 +390,29 @@ def test_on_a_sharded_model_both_styles_agree(delay):
             assert all(
                 np.asarray(s.data).tobytes() == np.asarray(shard.data).tobytes() for s in same
             )
+
+
+def test_under_pmap_as_under_shard_map():
+    """pmap has no replication types: the all-gather's result is plain, and
+    the steps are those of shard_map."""
+    mesh = _mesh()
+    params = _initial_params()
+    x, y = _data(4)
+    tx = _sparseloco(sync_every=2, fragments=1, delay=1)
+    run, p, state, _ = _start(tx, mesh, params)
+    got, _, _ = _run(run, p, state, x, y, mesh)
+
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(jaxcomm.local_params(state), x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    p = jax.tree.map(lambda v: np.broadcast_to(v, (N, *np.shape(v))), params)
+    state = jax.pmap(tx.init, axis_name="data")(p)
+    run = jax.pmap(step, axis_name="data")
+    for s in range(len(x)):
+        p, state = jax.block_until_ready(run(p, state, x[s], y[s]))
+    for k in NAMES:
+        rows = np.asarray(p[k])
+        assert all(rows[d].tobytes() == rows[0].tobytes() for d in range(N)), k
+        np.testing.assert_allclose(rows[0], got[-1][0][k], rtol=1e-6, atol=1e-7)
