@@ -87,7 +87,9 @@ def np_step(prev, x, y, s, *, sync_every, fragments, delay, mixing, bits):
     names sent and landed."""
     glob, local, error, pending = prev
     grads = [_np_grad(p, x[d], y[d]) for d, p in enumerate(local)]
-    local = [{k: v - INNER_LR * g[k] for k, v in p.items()} for p, g in zip(local, grads)]
+    local = [
+        {k: v - INNER_LR * g[k] for k, v in p.items()} for p, g in zip(local, grads, strict=True)
+    ]
     error = [dict(e) for e in error]
     pending = list(pending)
     groups, offsets = FRAGMENTS[fragments], OFFSETS[sync_every, fragments]
