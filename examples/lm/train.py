@@ -42,7 +42,7 @@ class Comm:
     """How gradients travel in one configuration.
 
     Attributes:
-      wire_dtype: None (float32), "float16" or "bfloat16".
+      wire_dtype: None (float32), "float16", "bfloat16" or "float8_e4m3fn".
       error_feedback: keep what the wire cast dropped for the next step.
       double_buffering: apply the previous step's reduced gradient.
       delay_compensation: λ of the DC-ASGD correction of a double-buffered
@@ -102,6 +102,9 @@ CONFIGURATIONS = {
     "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
     "db+wp": Comm(double_buffering=True, weight_prediction=True),
     "csc": Comm(density=0.15),
+    # The same bytes or fewer spent on more chunks: what keeps AdamW within
+    # 2% of dense (docs/lm.md).
+    "csc+fp8": Comm(density=0.6, wire_dtype="float8_e4m3fn"),
     "powersgd": Comm(powersgd=True),
     "diloco": Comm(sync_every=50),
     "diloco+delay": Comm(sync_every=50, delay=5, mixing=0.5),
