@@ -109,12 +109,10 @@ def _axis(axis_name):
 
 
 def _holds_module(tree) -> bool:
-    """Whether `tree` is or contains a Flax NNX graph node (Module, Variable, Optimizer)."""
+    """Whether `tree` is or contains a Flax NNX graph node (a Module, an Optimizer)."""
     try:
         from flax import nnx
     except ImportError:
         return False
-    return any(
-        nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
-        for x in jax.tree.leaves(tree, is_leaf=lambda x: nnx.graph.is_graph_node(x))
-    )
+    nodes = jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node)
+    return any(nnx.graph.is_graph_node(x) for x in nodes)
