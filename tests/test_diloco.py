@@ -201,6 +201,12 @@ def _steps(run, params, state, x, y, mesh):
     return out, params, state
 
 
+def _ffi_module():
+    from jaxcomm import _ffi
+
+    return _ffi
+
+
 def _diloco(inner, **options):
     outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     return jaxcomm.diloco(inner, outer, "data", **options)
@@ -284,8 +290,17 @@ DELAYED = [
 ]
 
 
-@pytest.mark.parametrize(("sync_every", "fragments", "delay", "mixing"), DELAYED)
-def test_delay_and_mixing_match_the_float64_reference(sync_every, fragments, delay, mixing):
+# backend="xla" runs a delayed sync's collective in its sync step; "auto" on
+# CPU starts it there and finishes it in the landing step (jaxcomm's transport).
+DELAYED_RUNS = [(*case, "xla") for case in DELAYED] + [
+    (*case, "auto") for case in DELAYED if case[2] >= 2
+]
+
+
+@pytest.mark.parametrize(("sync_every", "fragments", "delay", "mixing", "backend"), DELAYED_RUNS)
+def test_delay_and_mixing_match_the_float64_reference(
+    sync_every, fragments, delay, mixing, backend
+):
     mesh = _mesh()
     params = _initial_params()
     x, y = _data(STEPS)
@@ -295,8 +310,9 @@ def test_delay_and_mixing_match_the_float64_reference(sync_every, fragments, del
         fragments=fragments,
         delay=delay,
         mixing=mixing,
-        backend="xla",
+        backend=backend,
     )
+    overlapped = backend == "auto"
     with jax.set_mesh(mesh):
         state = tx.init(params)
     specs = jaxcomm.state_specs(state, "data")
@@ -325,7 +341,7 @@ def test_delay_and_mixing_match_the_float64_reference(sync_every, fragments, del
         mixing=mixing,
     )
     rows_of = NamedSharding(mesh, data)
-    landings, previous = 0, None
+    landings, previous, in_flight = 0, None, _ffi_module().in_flight()
     for s, (wp, wlocal, landed, sent) in enumerate(want):
         xs, ys = jax.device_put(x[s], rows_of), jax.device_put(y[s], rows_of)
         p, state, diff = jax.block_until_ready(run(p, state, xs, ys))
@@ -344,9 +360,13 @@ def test_delay_and_mixing_match_the_float64_reference(sync_every, fragments, del
                 assert gp[k].tobytes() == previous[k].tobytes(), (k, s)
         stats = jaxcomm.get_stats(gs)
         elements = sum(int(np.prod(SHAPES[k])) for k in sent)
-        assert int(stats.collectives) == len(sent), s  # xla: one per leaf
+        # xla: one per leaf; started: one per fragment (its leaves share a dtype).
+        assert int(stats.collectives) == (bool(sent) if overlapped else len(sent)), s
         assert float(stats.payload_bytes) == 4 * elements, s
         assert len(gs.pending) == (fragments if delay else 0)
+        if overlapped:  # started at the sync, still in flight until it lands
+            in_flight += N * (bool(sent) - bool(landed))
+            assert _ffi_module().in_flight() == in_flight, s
         landings += bool(landed)
         previous = gp
     syncs = STEPS * fragments // sync_every
@@ -671,7 +691,8 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path, options):
     mesh = _mesh()
     params = _initial_params()
     x, y = _data(20)
-    tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2, **options)
+    # xla: the pending average is in the state (a started exchange is not).
+    tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2, backend="xla", **options)
     run, p, state = _start(tx, mesh, params)
     _, p_straight, state_straight = _steps(run, p, state, x, y, mesh)
 
@@ -695,6 +716,62 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path, options):
         w, g = np.asarray(w), np.asarray(g)
         assert w.dtype == g.dtype and w.shape == g.shape, jax.tree_util.keystr(path)
         assert w.tobytes() == g.tobytes(), f"{jax.tree_util.keystr(path)} differs after resuming"
+
+
+def test_a_started_sync_is_finished_in_its_landing_step_only():
+    """Overlapped: the sync's branch starts the exchange and finishes none, the
+    landing's finishes it; nothing travels outside the conds."""
+    mesh = _mesh()
+    tx = _diloco(optax.adam(INNER_LR), sync_every=6, fragments=3, delay=2, backend="auto")
+    run, p, state = _start(tx, mesh, _initial_params())
+    x, y = _data(1)
+    rows = NamedSharding(mesh, P("data"))
+    text = run.lower(p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
+    comps, entry = _computations(text.compile().as_text())
+    assert _collectives_outside_branches(comps, entry) == 0
+
+    def calls(target):
+        return [
+            sorted(
+                _count_target(comps, b.strip().lstrip("%"), target) for b in m.group(1).split(",")
+            )
+            for lines in comps.values()
+            for line in lines
+            if (m := _BRANCHES.search(line))
+        ]
+
+    starts, dones = calls("jaxcomm_allreduce_start"), calls("jaxcomm_allreduce_done")
+    # Per fragment one cond starts (one group: float32) and one finishes.
+    assert sorted(starts, reverse=True)[:3] == [[0, 1]] * 3 and sum(map(sum, starts)) == 3
+    assert sorted(dones, reverse=True)[:3] == [[0, 1]] * 3 and sum(map(sum, dones)) == 3
+    for lines in comps.values():  # never both in one branch
+        text = "\n".join(lines)
+        assert not ("jaxcomm_allreduce_start" in text and "jaxcomm_allreduce_done" in text)
+
+
+def _count_target(comps, name, target) -> int:
+    count = 0
+    for line in comps[name]:
+        count += f'custom_call_target="{target}"' in line
+        called = _CALLED.findall(line)
+        if m := _BRANCHES.search(line):
+            called += [c.strip().lstrip("%") for c in m.group(1).split(",")]
+        count += sum(_count_target(comps, c, target) for c in called)
+    return count
+
+
+def test_a_handle_from_another_process_is_refused_by_name():
+    """A state restored while a started sync was in flight holds a handle that
+    no operation in this process has: the landing says so, not garbage."""
+    mesh = _mesh()
+    x, y = _data(4)
+    tx = _diloco(optax.sgd(INNER_LR), sync_every=4, delay=2, backend="auto")
+    run, p, state = _start(tx, mesh, _initial_params())
+    _, p, state = _steps(run, p, state, x, y, mesh)  # synced after step 3: in flight
+    forged = jnp.asarray([1 << 30, 7], jnp.int32)  # no such call site in this process
+    state = state._replace(pending=([jax.device_put(forged, NamedSharding(mesh, P()))],))
+    with pytest.raises(Exception, match=r"no allreduce in flight .* handle \[1073741824, 7\]"):
+        _steps(run, p, state, x[:2], y[:2], mesh)
 
 
 # -- bad input ---------------------------------------------------------------

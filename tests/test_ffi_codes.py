@@ -17,7 +17,7 @@ TABLES = {
     "dtype": {"float32", "float16", "bfloat16", "float64"},
     "algorithm": {"ring", "hierarchical", "direct", "alltoall"},
     "unselected": {"local", "zero"},
-    "op": {"allreduce", "reduce_scatter", "all_gather", "allreduce_parts"},
+    "op": {"allreduce", "reduce_scatter", "all_gather", "allreduce_parts", "allreduce_start"},
 }
 
 

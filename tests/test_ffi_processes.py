@@ -88,6 +88,36 @@ WORKER = """
 
     out["train_ffi"] = trained("ffi")
     out["train_xla"] = trained("xla")
+
+    # DiLoCo with a delayed sync: "auto" starts its exchange over TCP in the
+    # sync step and finishes it two steps later; "xla" runs it in the sync step.
+    def diloco(backend):
+        tx = jaxcomm.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True), "d",
+                            sync_every=4, delay=2, backend=backend)
+        p = {"w": np.ones((5,), np.float32), "b": np.zeros((), np.float32)}
+        p = jax.tree.map(lambda a: jax.make_array_from_callback(
+            a.shape, NamedSharding(mesh, P()), lambda i: a[i]), p)
+        with jax.set_mesh(mesh):
+            specs = jaxcomm.state_specs(jax.eval_shape(tx.init, p), "d")
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(p)
+
+        def step(p, state, xb, yb):
+            loss = lambda q: jnp.mean((xb @ q["w"] + q["b"] - yb) ** 2)  # noqa: E731
+            updates, state = tx.update(jax.grad(loss)(jaxcomm.local_params(state)), state, p)
+            return optax.apply_updates(p, updates), state
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("d"), P("d")),
+                                  out_specs=(P(), specs)))
+        xs, ys, in_flight = sharded(x_all), sharded(y_all), []
+        for _ in range(8):  # syncs after steps 3 and 7, lands after step 5
+            p, state = jax.block_until_ready(f(p, state, xs, ys))
+            in_flight.append(_ffi.in_flight())
+        return np.concatenate([np.asarray(p["w"]), np.asarray(p["b"])[None]]), in_flight
+
+    from jaxcomm import _ffi
+
+    out["diloco_started"], out["diloco_in_flight"] = diloco("auto")
+    out["diloco_xla"], _ = diloco("xla")
     np.savez(f"{sys.argv[1]}-{jax.process_index()}.npz", ints=ints, reals=reals, mask=mask,
              **out)
     print("done", flush=True)
@@ -197,6 +227,16 @@ def test_allreduce_gradients_ffi_trains_like_xla(results):
         # Same mean up to the order of 4 float32 additions: a few ulp of O(1) values.
         np.testing.assert_allclose(out["train_ffi"], out["train_xla"], rtol=0, atol=1e-6)
         assert not np.allclose(out["train_ffi"], [1, 1, 1, 1, 1, 0])  # the step moved
+
+
+def test_a_delayed_diloco_sync_overlaps_steps_across_processes(results):
+    """Started in the sync step over TCP, in flight (one per local device)
+    through the two steps after it, finished in the landing step: the same
+    params as the exchange run inside the sync step (gloo)."""
+    for out in results:
+        assert list(out["diloco_in_flight"]) == [0, 0, 0, 2, 2, 0, 0, 2]
+        np.testing.assert_allclose(out["diloco_started"], out["diloco_xla"], rtol=0, atol=1e-6)
+        assert not np.allclose(out["diloco_started"], [1, 1, 1, 1, 1, 0])
 
 
 def test_a_process_that_never_joins_is_named_within_the_timeout(tmp_path):

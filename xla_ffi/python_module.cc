@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "common/python_codes.h"
+#include "cpu/allreduce_async.h"
 #include "cpu/direct.h"
 #include "cpu/handlers.h"
 #include "cpu/rendezvous.h"
@@ -31,6 +32,8 @@ py::dict Registrations() {
   d["jaxcomm_chunk_l1"] = Capsule(ChunkL1Cpu);
   d["jaxcomm_chunk_residual"] = Capsule(ChunkResidualCpu);
   d["jaxcomm_allreduce_parts"] = Capsule(AllReducePartsCpu);
+  d["jaxcomm_allreduce_start"] = Capsule(AllReduceStartCpu);
+  d["jaxcomm_allreduce_done"] = Capsule(AllReduceDoneCpu);
   return d;
 }
 
@@ -60,4 +63,18 @@ PYBIND11_MODULE(_ffi, m) {
       "live_slots",
       [] { return jaxcomm::cpu::Registry::Get().live_slots() + jaxcomm::cpu::LiveDirectSlots(); },
       "Rendezvous slots currently alive (0 when no collective is running).");
+  m.def("in_flight", &AllReducesInFlight,
+        "Allreduces started (jaxcomm_allreduce_start) and not yet finished by their done call.");
+  m.def(
+      "async_timeline",
+      [] {
+        py::list out;
+        for (const AsyncEvent& e : AsyncTimeline()) {
+          out.append(py::make_tuple(e.device, e.op_id, e.sequence, e.bytes, e.started, e.reduced,
+                                    e.landed, e.returned));
+        }
+        return out;
+      },
+      "[(device, op_id, sequence, bytes, started, reduced, landed, returned)] of the last "
+      "finished started allreduces; times in seconds of time.monotonic()'s clock.");
 }

@@ -54,6 +54,9 @@ class Reduction:
       masked: chunk masks will be exchanged, so ``backend="auto"`` prefers
         ffi, the backend that sends only the selected chunks.
       chunk_size: elements per chunk of a mask.
+      started: the reduction will be started in one step and finished in a
+        later one where it can (:meth:`BoundReduction.allreduce_start`), so
+        ``backend="auto"`` prefers the backend that can.
     """
 
     axes: tuple
@@ -63,6 +66,7 @@ class Reduction:
     backend: str | Backend
     masked: bool
     chunk_size: int
+    started: bool = False
 
     @property
     def wire_dtype(self) -> np.dtype | None:
@@ -104,6 +108,18 @@ class Reduction:
         `mesh`, the current mesh's axes count too (a transform's init)."""
         check_bound(self.axes, mesh=mesh)
 
+    def resolve_backend(self) -> Backend:
+        """The backend that runs here (needs the platform, not the axes)."""
+        return backends.resolve(
+            self.backend, masked=self.masked, wire=self.wire, started=self.started
+        )
+
+    @property
+    def starts_async(self) -> bool:
+        """Whether an allreduce can be started in one step and finished in a
+        later one here: jaxcomm's CPU transport and a wire it reduces itself."""
+        return self.resolve_backend().starts_async and not self.wire.scaled
+
     def bind(self) -> BoundReduction:
         """Resolves the backend and the schedule for the axes bound here.
 
@@ -111,7 +127,7 @@ class Reduction:
           ValueError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
-        backend = backends.resolve(self.backend, masked=self.masked, wire=self.wire)
+        backend = self.resolve_backend()
         place = placement(self.axes)
         algorithm = backend.algorithm(self.algorithm, self.axes, self.wire)
         return BoundReduction(self, place, backend, algorithm)
@@ -126,6 +142,7 @@ def reduction(
     backend: str | Backend = "auto",
     masked: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    started: bool = False,
 ) -> Reduction:
     """Checks an allreduce's options without starting a JAX backend.
 
@@ -134,6 +151,8 @@ def reduction(
       op, wire_dtype, algorithm, backend: as in :func:`jaxcomm.allreduce`.
       masked: chunk masks will be exchanged (``backend="auto"`` then prefers ffi).
       chunk_size: elements per chunk; checked only when ``masked``.
+      started: it will be started in one step and finished in a later one
+        where the backend can (``backend="auto"`` then prefers ffi on CPU).
 
     Returns:
       A :class:`Reduction`.
@@ -151,10 +170,10 @@ def reduction(
     axes = normalize(axis_name)
     wire = Wire.of(wire_dtype)
     _checks.check_choice("op", op, _checks.OPS)
-    backends.check(backend, algorithm, axes, wire, masked=masked)
+    backends.check(backend, algorithm, axes, wire, masked=masked, started=started)
     if masked:
         chunk_size = check_chunk_size(chunk_size)
-    return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size)
+    return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size, started)
 
 
 class BoundReduction(NamedTuple):
@@ -256,6 +275,32 @@ class BoundReduction(NamedTuple):
         that must exist before anything reads the result (:meth:`after`).
         """
         return self.backend.allreduce_bucket(self, parts, in_place=in_place, after=after)
+
+    @property
+    def starts_async(self) -> bool:
+        """Whether :meth:`allreduce_start` can run here (Reduction.starts_async)."""
+        return self.backend.starts_async and not self.reduction.wire.scaled
+
+    def allreduce_start(self, flat):
+        """Starts the reduction of 1-D `flat` (this reduction's op and wire)
+        and returns at once a handle, an int32 array for
+        :meth:`allreduce_done` in this or a later execution of the program.
+        The exchange runs on jaxcomm's threads meanwhile. Each handle is
+        finished exactly once, in the process that started it."""
+        if not self.starts_async:
+            raise ValueError(
+                f"an allreduce started in one step and finished in another needs "
+                f"backend='ffi' on CPU and a float wire; this one runs on "
+                f"backend={self.backend.name!r} with wire {self.reduction.wire.name or 'float32'}"
+            )
+        return self.backend.allreduce_start(self, flat)
+
+    def allreduce_done(self, handle, like):
+        """The result of :meth:`allreduce_start`'s reduction, of `like`'s
+        shape and dtype (the started array, or its ShapeDtypeStruct), typed
+        replicated over every axis as the handle is: where the started array
+        also varied over axes not reduced, type it back (``to_varying``)."""
+        return self.backend.allreduce_done(self, handle, like)
 
     def after(self, x, deps):
         """`x`, read only once every array in `deps` exists, where the

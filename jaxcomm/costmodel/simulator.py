@@ -62,9 +62,10 @@ Rules:
   ``bucket_bytes`` within the fragment, at the wire's width; nothing runs
   beside the sync (it is part of its step, as jaxcomm's program runs it).
   With ``delay=τ > 0`` and ``overlap`` the sync's collectives instead run
-  beside compute and the landing step ``τ`` later waits for them (what a
-  transport carrying a collective across steps would give; jaxcomm's
-  program does not); the result is then the third cycle's, steady.
+  beside compute and the landing step ``τ`` later waits for them (jaxcomm's
+  program on CPU, where the sync starts the exchange and the landing
+  finishes it; with ``backend="xla"`` it runs in the sync step); the result
+  is then the third cycle's, steady.
   ``sparse_outer`` (SparseLoCo) sends each fragment as one all-gather of
   ``SparseOuter.payload`` bytes per device (a ring of ``p`` such rows:
   :meth:`Cluster.allgather_time`), or, where
@@ -237,8 +238,8 @@ class Settings:
       fragments: Streaming DiLoCo's ``F`` (1: DiLoCo), as :func:`jaxcomm.diloco`'s.
       delay: Streaming DiLoCo's ``tau``, as :func:`jaxcomm.diloco`'s. With
         ``overlap`` the sync's collectives run beside the next ``tau`` steps'
-        compute; without it they run in the sync step, as jaxcomm's program
-        runs them.
+        compute (diloco on CPU's transport); without it they run in the sync
+        step (diloco with ``backend="xla"``, or on GPU).
       sparse_outer: ``None`` (DiLoCo's dense pseudo-gradient) or
         :func:`jaxcomm.sparse_outer`'s result: SparseLoCo's exchange.
     """

@@ -50,6 +50,8 @@ class DiLoCoState(NamedTuple):
       count: int32, steps taken.
       stats: :class:`jaxcomm.CommStats` of the last step.
       pending: with ``delay > 0``, per fragment the averaged pseudo-gradient
+        (or, where the exchange overlaps the steps between, int32[2] handles of
+        the allreduces in flight, one per dtype)
         of its last sync (the same on every device), waiting to be applied;
         ``()`` without a delay.
       error: ``PerDevice`` error-feedback buffers of a sparse outer step
@@ -100,8 +102,12 @@ def diloco(
     and returns ``u`` on those leaves, zeros elsewhere; with ``alpha = 0`` ``local``
     adopts bitwise what ``optax.apply_updates`` gives the caller. Fragments are
     contiguous groups of leaves, about 1/F of the elements each, synced in turn
-    ``H/F`` steps apart; a step with none due sends nothing. The collective runs
-    in the sync step; its result is used ``delay`` steps later. See docs/diloco.md.
+    ``H/F`` steps apart; a step with none due sends nothing. With ``delay`` on
+    CPU (jaxcomm's transport, ``backend="auto"`` or ``"ffi"``) the sync step
+    starts the exchange and the landing step ``delay`` steps later finishes
+    it: it runs while the devices compute the steps between. Elsewhere (GPU,
+    ``backend="xla"``, a scaled wire, :func:`jaxcomm.sparse_outer`) it runs in
+    the sync step and only its use waits. See docs/diloco.md.
 
     Args:
       inner: the optimizer each device runs on its own gradients, e.g.
@@ -176,8 +182,18 @@ def diloco(
     delay = check_delay(delay, sync_every)
     mixing = _check_mixing(mixing)
     comm = reduction(
-        axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
+        axis_name,
+        op="mean",
+        wire_dtype=wire_dtype,
+        algorithm=algorithm,
+        backend=backend,
+        started=bool(delay) and isinstance(rule, _OptaxOuter),
     )
+
+    def overlapped() -> bool:
+        # Decided the same way by init and update: the platform's, not the axes'.
+        return bool(delay) and isinstance(rule, _OptaxOuter) and comm.starts_async
+
     if bucket_bytes is not None:
         bucket_bytes = _validate.check_bucket_bytes(bucket_bytes)
     offsets = sync_offsets(sync_every, fragments)
@@ -194,7 +210,7 @@ def diloco(
             count=jnp.int32(0),
             stats=_state.empty_stats(),
             # Replicated like the params (zeros_like keeps their placement).
-            pending=tuple([jnp.zeros_like(x) for x in part] for part in parts) if delay else (),
+            pending=_pending(parts, delay, overlapped()),
             error=error,
         )
 
@@ -216,6 +232,9 @@ def diloco(
         spans = plan_fragments(sizes, fragments)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
         errors = _state.local(state.error) if state.error.value else (None,) * len(spans)
+        started = overlapped()
+        send = _start if started else _send
+        land = _finish if started else _land
         out, outer_states, new_errors, pending = [], [], [], []
         sent, wire, elements, collectives = [], [], [], []
         rows = [None] * len(local)
@@ -238,23 +257,25 @@ def diloco(
                     (anchor[a:b], local[a:b], outer_state, error),
                 )
             else:
-                # The collective runs at the sync; its result waits in the
-                # state and lands `delay` steps later. The landing reads the
-                # pending average from the sync's cond, not from the state:
-                # read by both conds, XLA copied it every step.
+                # The collective starts at the sync (or runs there, where it
+                # cannot outlive the step); its result lands `delay` steps
+                # later. The landing reads the pending value from the sync's
+                # cond, not from the state: read by both conds, XLA copied
+                # it every step.
                 landed = applies(state.count, offset, sync_every, delay)
                 mean, error, bad = jax.lax.cond(
                     due,
-                    lambda ops: _send(ops, bound, rule, theta),
+                    lambda ops: send(ops, bound, rule, theta),
                     _hold,
                     (anchor[a:b], local[a:b], error, state.pending[f]),
                 )
-                packed, outer_state = jax.lax.cond(
+                packed, outer_state, bad_landing = jax.lax.cond(
                     landed,
-                    lambda ops: _land(ops, rule),
+                    lambda ops: land(ops, bound, rule),
                     _no_landing,
                     (anchor[a:b], mean, outer_state),
                 )
+                bad = bad | bad_landing
                 pending.append(mean)
             unpacked = _unpack(packed, anchor[a:b])
             u = [jnp.where(landed, x, jnp.zeros_like(x)) for x in unpacked]
@@ -402,22 +423,59 @@ def _send(operands, bound, rule, theta):
     return list(mean), error, _state.any_nonfinite(mean)
 
 
+def _start(operands, bound, rule, theta):
+    """A delayed sync that overlaps the steps until it lands: starts the
+    average of params - local, one allreduce per :func:`_pack` group, and
+    returns their handles (the average's finiteness is known at landing)."""
+    del rule, theta  # the dense rule's exchange, in one piece per group
+    anchor, local, error, _ = operands
+    delta = [g - x for g, x in zip(anchor, local, strict=True)]
+    return [bound.allreduce_start(flat) for flat in _pack(delta)], error, jnp.bool_(False)
+
+
 def _hold(operands):
-    """No sync: the pending average and the error buffers as they are."""
+    """No sync: the pending average (or handles) and the error buffers as they are."""
     _, _, error, pending = operands
     return list(pending), error, jnp.bool_(False)
 
 
-def _land(operands, rule):
+def _land(operands, bound, rule):
     """A delayed outer step: the pending average, stepped from params."""
+    del bound
     anchor, pending, outer_state = operands
     u, outer_state = rule.step(pending, outer_state, anchor)
-    return _pack(u), outer_state
+    return _pack(u), outer_state, jnp.bool_(False)
+
+
+def _finish(operands, bound, rule):
+    """A delayed outer step whose exchange was started at the sync: waits for
+    the average (done by now unless the link is slower than the steps
+    between) and steps from params."""
+    anchor, handles, outer_state = operands
+    like = jax.eval_shape(_pack, anchor)
+    done = [
+        _varying(bound.allreduce_done(h, x), key[1])
+        for h, x, key in zip(handles, like, _groups(anchor), strict=True)
+    ]
+    mean = _unpack(done, anchor)
+    u, outer_state = rule.step(mean, outer_state, anchor)
+    return _pack(u), outer_state, _state.any_nonfinite(mean)
 
 
 def _no_landing(operands):
     anchor, _, outer_state = operands
-    return _unwritten(anchor), outer_state
+    return _unwritten(anchor), outer_state, jnp.bool_(False)
+
+
+def _pending(parts, delay: int, started: bool) -> tuple:
+    """The initial pending values per fragment: the average's leaves, zeros
+    replicated like the params (zeros_like keeps their placement), or one
+    int32[2] handle per :func:`_pack` group where the exchange overlaps."""
+    if not delay:
+        return ()
+    if started:
+        return tuple([jnp.zeros(2, jnp.int32) for _ in _groups(part)] for part in parts)
+    return tuple([jnp.zeros_like(x) for x in part] for part in parts)
 
 
 def _unwritten(anchor):

@@ -41,12 +41,14 @@ enum class OpTag : int64_t {
   kReduceScatter = 2,
   kAllGather = 3,
   kAllReduceParts = 4,
+  kAllReduceStart = 5,
 };
 inline constexpr NamedCode<OpTag> kOpTagNames[] = {
     {OpTag::kAllReduce, "allreduce"},
     {OpTag::kReduceScatter, "reduce_scatter"},
     {OpTag::kAllGather, "all_gather"},
     {OpTag::kAllReduceParts, "allreduce_parts"},
+    {OpTag::kAllReduceStart, "allreduce_start"},
 };
 
 }  // namespace jaxcomm

@@ -43,6 +43,17 @@ Algorithm ScheduleOf(const CallSite& site) {
                                                                         : site.algorithm;
 }
 
+void ArriveDirectThen(const CallSite& site, const ReduceSpec& spec, std::vector<size_t> parts,
+                      std::vector<const void*> in, std::vector<void*> out,
+                      std::function<void(const Status&)> done) {
+  DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
+                  site.nranks,
+                  {site.op, site.fingerprint},
+                  spec,
+                  std::move(parts)};
+  ArriveDirect(call, {site.rank, site.device, std::move(in), std::move(out), std::move(done)});
+}
+
 ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
                                std::vector<size_t> parts, std::vector<const void*> in,
                                std::vector<void*> out, std::function<void()> on_success) {
@@ -53,12 +64,8 @@ ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
     if (then) then();
     promise.SetAvailable();
   };
-  DirectCall call{{site.run_id, site.op_id, site.group, Ring::kFlat, 0},
-                  site.nranks,
-                  {site.op, site.fingerprint},
-                  spec,
-                  std::move(parts)};
-  ArriveDirect(call, {site.rank, site.device, std::move(in), std::move(out), std::move(complete)});
+  ArriveDirectThen(site, spec, std::move(parts), std::move(in), std::move(out),
+                   std::move(complete));
   return future;
 }
 

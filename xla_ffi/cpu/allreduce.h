@@ -20,9 +20,14 @@ Status ReduceContiguous(Rings& rings, Algorithm algorithm, const ReduceSpec& spe
 Algorithm ScheduleOf(const CallSite& site);
 
 // The direct schedule for this rank of `site`: leaves its buffers (one in and
-// one out per part, `parts` elements each) at the rendezvous and returns a
-// future that the last rank to arrive completes, after running `on_success`
-// (on whichever thread completes it) when the reduction succeeded.
+// one out per part, `parts` elements each) at the rendezvous and returns;
+// the last rank to arrive runs the reduction and calls `done` (on its thread).
+void ArriveDirectThen(const CallSite& site, const ReduceSpec& spec, std::vector<size_t> parts,
+                      std::vector<const void*> in, std::vector<void*> out,
+                      std::function<void(const Status&)> done);
+
+// The same, as a future that the last rank to arrive completes, after running
+// `on_success` (on whichever thread completes it) when the reduction succeeded.
 xla::ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
                                     std::vector<size_t> parts, std::vector<const void*> in,
                                     std::vector<void*> out,

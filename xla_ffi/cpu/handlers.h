@@ -12,4 +12,6 @@ extern "C" XLA_FFI_Error* PoolCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AllReducePartsCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ChunkL1Cpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ChunkResidualCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllReduceStartCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllReduceDoneCpu(XLA_FFI_CallFrame* call_frame);
 }  // namespace jaxcomm::cpu

@@ -34,23 +34,26 @@ __all__ = [
 ]
 
 
-def _prefers_ffi(masked: bool, wire) -> bool:
+def _prefers_ffi(masked: bool, wire, started: bool = False) -> bool:
     """'auto' leans to ffi with a chunk mask (the only backend that sends
-    just the selected chunks without a static bound) and with a 16-bit wire
+    just the selected chunks without a static bound), with a 16-bit wire
     (XLA's CPU all-reduce adds float16 in float16, and widens bfloat16 to
-    float32); never for a scaled wire (FP8, int8, int4), whose schedule
-    only xla has."""
-    return not wire.scaled and (masked or wire.narrow)
+    float32) and for an allreduce started in one step and finished in a
+    later one (only jaxcomm's CPU transport runs outside XLA's executions);
+    never for a scaled wire (FP8, int8, int4), whose schedule only xla has."""
+    return not wire.scaled and (masked or wire.narrow or started)
 
 
-def check(backend, algorithm: str, axes: tuple, wire, *, masked: bool = False):
+def check(
+    backend, algorithm: str, axes: tuple, wire, *, masked: bool = False, started: bool = False
+):
     """The checks that need no platform, run when a transform is built.
     Returns the backend as far as it is decided: a :class:`Backend`, ``"xla"``,
     ``"ffi"`` (its handler not checked yet), or ``"auto"`` (decided at trace
     time)."""
     if not isinstance(backend, Backend):
         _checks.check_choice("backend", backend, _checks.BACKENDS)
-        if backend == "auto" and not _prefers_ffi(masked, wire):
+        if backend == "auto" and not _prefers_ffi(masked, wire, started):
             backend = "xla"
     _checks.check_choice("algorithm", algorithm, _checks.ALGORITHMS)
     if algorithm == "hierarchical" and len(axes) != 2:
@@ -63,7 +66,7 @@ def check(backend, algorithm: str, axes: tuple, wire, *, masked: bool = False):
     return backend
 
 
-def resolve(backend, *, masked: bool = False, wire) -> Backend:
+def resolve(backend, *, masked: bool = False, wire, started: bool = False) -> Backend:
     """The backend that runs here, at trace time.
 
     ``"auto"`` is xla for a collective in the input's dtype: on CPU lax.psum
@@ -74,6 +77,9 @@ def resolve(backend, *, masked: bool = False, wire) -> Backend:
     enough to be the default. On GPU 'auto' is xla (with a mask, packed under
     a bound): the CUDA handlers run across processes (tools/gpu_check.sh),
     but bench/gpu_network.py has yet to time them against lax.psum there.
+    An allreduce to be `started` in one step and finished in a later one is
+    ffi wherever the CPU handlers run, across processes too: no other
+    backend can (XLA's collectives complete inside the step).
     """
     if isinstance(backend, Backend):
         return backend
@@ -81,7 +87,10 @@ def resolve(backend, *, masked: bool = False, wire) -> Backend:
     platform = jax.default_backend()
     if backend == "auto":
         single = jax.process_count() == 1
-        if _prefers_ffi(masked, wire) and single and platform == "cpu" and _extension.available():
+        cpu_ffi = platform == "cpu" and _extension.available("cpu")
+        if started and not wire.scaled and cpu_ffi:
+            return CpuFfiBackend()
+        if _prefers_ffi(masked, wire) and single and cpu_ffi:
             return CpuFfiBackend()
         backend = "xla"
     if backend == "xla":

@@ -87,6 +87,20 @@ class Backend:
         """[N, size]: every device's `flat`, in rank order."""
         raise NotImplementedError(f"backend {self.name!r} has no all_gather")
 
+    # An allreduce split in two calls, the second in a later execution of the
+    # program: the exchange runs while the devices compute other steps.
+    starts_async = False
+
+    def allreduce_start(self, bound, flat):
+        """Starts the mean or sum of `flat`; returns a handle (an array) for
+        :meth:`allreduce_done`. Not differentiable."""
+        raise NotImplementedError(f"backend {self.name!r} cannot start an allreduce")
+
+    def allreduce_done(self, bound, handle, like):
+        """The result of the started allreduce, shaped and of the dtype of
+        `like`, typed replicated over every axis (as the handle is)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot start an allreduce")
+
     def allreduce_bucket(self, bound, parts, *, in_place: bool, after):
         """One collective over `parts` (arrays of one dtype) as if they lay
         one after another; returns the reduced parts, shaped as given. Here:

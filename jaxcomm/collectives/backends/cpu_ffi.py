@@ -49,6 +49,27 @@ class CpuFfiBackend(FfiBackend):
         # peers read a rank's input while it writes.
         return algorithm == "direct"
 
+    # jaxcomm's own transport runs on its own threads, independent of XLA's
+    # executions (xla_ffi/cpu/allreduce_async.cc).
+    starts_async = True
+
+    def allreduce_start(self, bound, flat):
+        wire, prescale, postscale = bound.scales(flat.dtype)
+        return _ffi_calls.allreduce_start(
+            flat,
+            self.coords(bound.place),
+            self.peers(flat, bound.place),
+            bound.place,
+            algorithm=bound.algorithm,
+            wire=wire,
+            prescale=prescale,
+            postscale=postscale,
+        )
+
+    def allreduce_done(self, bound, handle, like):
+        del bound
+        return _ffi_calls.allreduce_done(handle, like.shape, like.dtype)
+
     def allreduce_bucket(self, bound, parts, *, in_place, after):
         if len(parts) < 2:
             return super().allreduce_bucket(bound, parts, in_place=in_place, after=after)

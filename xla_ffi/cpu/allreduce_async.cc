@@ -1,0 +1,236 @@
+// An allreduce that outlives the step that starts it.
+//
+// jaxcomm_allreduce_start copies its input, starts the reduction on a jaxcomm
+// worker thread (or leaves it at the direct rendezvous) and returns at once
+// with a handle; jaxcomm_allreduce_done, given that handle in a later
+// execution, waits for the result and copies it out. In between, the
+// exchange runs while XLA computes other steps: DiLoCo's delayed outer sync
+// sends its pseudo-gradient this way (docs/diloco.md, "Overlap").
+//
+// The handle is [op_id, sequence]. Every device starts a call site's
+// allreduces in the same order, so the handle is the same on every device of
+// a call (the result can be typed replicated); the operation waits under
+// (device, op_id, sequence) in this process.
+#include "cpu/allreduce_async.h"
+
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common/ffi_contract.h"
+#include "cpu/allreduce.h"
+#include "cpu/async.h"
+#include "cpu/collective.h"
+#include "cpu/handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm::cpu {
+namespace {
+
+namespace ffi = xla::ffi;
+
+double Now() {
+  // steady_clock is CLOCK_MONOTONIC on Linux: Python's time.monotonic().
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct InFlight {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reduced = false;
+  Status status;
+  // Owned: XLA may reuse x's buffer as soon as the start call returns.
+  std::vector<char> in, out;
+  AsyncEvent event;
+
+  void Finish(const Status& st) {
+    std::lock_guard<std::mutex> lock(mu);
+    status = st;
+    reduced = true;
+    event.reduced = Now();
+    cv.notify_all();
+  }
+};
+
+// Operations started and not yet taken by their done call, and the log of
+// finished ones.
+class InFlightTable {
+ public:
+  static InFlightTable& Get() {
+    static auto* table = new InFlightTable();  // never destroyed: workers outlive exit
+    return *table;
+  }
+
+  // Registers `op` under the next sequence number of (device, op_id).
+  int64_t Add(int32_t device, int64_t op_id, std::shared_ptr<InFlight> op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t sequence = next_[{device, op_id}]++;
+    ops_[{device, op_id, sequence}] = std::move(op);
+    return sequence;
+  }
+
+  // Removes and returns the operation; null when there is none.
+  std::shared_ptr<InFlight> Take(int32_t device, int64_t op_id, int64_t sequence) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find({device, op_id, sequence});
+    if (it == ops_.end()) return nullptr;
+    std::shared_ptr<InFlight> op = std::move(it->second);
+    ops_.erase(it);
+    return op;
+  }
+
+  void Log(const AsyncEvent& event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back(event);
+    if (log_.size() > kLogSize) log_.pop_front();
+  }
+
+  std::vector<AsyncEvent> Timeline() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {log_.begin(), log_.end()};
+  }
+
+  size_t Size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ops_.size();
+  }
+
+ private:
+  static constexpr size_t kLogSize = 4096;
+  std::mutex mu_;
+  std::map<std::tuple<int32_t, int64_t, int64_t>, std::shared_ptr<InFlight>> ops_;
+  std::map<std::pair<int32_t, int64_t>, int64_t> next_;
+  std::deque<AsyncEvent> log_;
+};
+
+const char kStart[] = "allreduce_start";
+const char kDone[] = "allreduce_done";
+
+ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+                     ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::Buffer<ffi::S32>> handle,
+                     int64_t op_id, int32_t algorithm, int32_t nranks, int32_t intra_size,
+                     int32_t wire_dtype, double prescale, double postscale) {
+  ReduceSpec spec;
+  if (auto err = DecodeReduction(kStart, x, coords, wire_dtype, prescale, postscale, &spec);
+      !err.success()) {
+    return err;
+  }
+  if (!IsValidAlgorithm(algorithm)) {
+    return Invalid(kStart, "unknown algorithm code " + std::to_string(algorithm));
+  }
+  if (handle->element_count() != 2) return Invalid(kStart, "the handle must hold 2 int32");
+  if (op_id < 0 || op_id > INT32_MAX) return Invalid(kStart, "op_id must fit in int32");
+  int64_t group;
+  int32_t rank;
+  if (Status st = Placement(kStart, op_id, device, coords.typed_data(), &group, &rank); !st.ok()) {
+    return ToError(st);
+  }
+  const size_t n = x.element_count();
+  const CallSite site{
+      kStart,
+      run_id.run_id,
+      op_id,
+      device,
+      group,
+      rank,
+      nranks,
+      intra_size,
+      static_cast<Algorithm>(algorithm),
+      Fingerprint(OpTag::kAllReduceStart, {static_cast<int64_t>(n), static_cast<int>(spec.input),
+                                           static_cast<int>(spec.wire), algorithm, intra_size})};
+
+  auto op = std::make_shared<InFlight>();
+  const char* data = static_cast<const char*>(x.untyped_data());
+  op->in.assign(data, data + x.size_bytes());
+  op->out.resize(x.size_bytes());
+  op->event = {device, op_id, 0, static_cast<int64_t>(x.size_bytes()), Now(), 0, 0, 0};
+  op->event.sequence = InFlightTable::Get().Add(device, op_id, op);
+  handle->typed_data()[0] = static_cast<int32_t>(op_id);
+  handle->typed_data()[1] = static_cast<int32_t>(op->event.sequence);
+
+  const Algorithm algo = ScheduleOf(site);
+  if (algo == Algorithm::kDirect) {
+    ArriveDirectThen(site, spec, {n}, {op->in.data()}, {op->out.data()},
+                     [op](const Status& st) { op->Finish(st); });
+  } else {
+    RunOnWorker([site, algo, spec, op, n] {
+      op->Finish(RunCollective(site, [&](Rings& rings) {
+        return ReduceContiguous(rings, algo, spec, op->in.data(), op->out.data(), n);
+      }));
+    });
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> y) {
+  if (handle.element_count() != 2) {
+    return CompletedFuture(Invalid(kDone, "the handle must hold 2 int32"));
+  }
+  const int32_t op_id = handle.typed_data()[0], sequence = handle.typed_data()[1];
+  std::shared_ptr<InFlight> op = InFlightTable::Get().Take(device, op_id, sequence);
+  if (!op) {
+    return CompletedFuture(Invalid(
+        kDone, "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
+                   std::to_string(op_id) + ", " + std::to_string(sequence) +
+                   "]: each handle is finished once, in the process that started it. A state "
+                   "restored while a delayed sync was in flight holds a handle of a process "
+                   "that is gone: save at a step with no sync in flight, or use "
+                   "backend='xla', which keeps the average itself in the state"));
+  }
+  if (op->out.size() != y->size_bytes()) {
+    return CompletedFuture(Invalid(kDone, "the result must have the started input's size"));
+  }
+  op->event.landed = Now();
+  char* out = static_cast<char*>(y->untyped_data());
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  // Waits off XLA's threads: a device still on its way to the start of a
+  // later collective must not find the pool blocked (cpu/async.h).
+  RunOnWorker([op, out, promise = std::move(promise)]() mutable {
+    std::unique_lock<std::mutex> lock(op->mu);
+    op->cv.wait(lock, [&] { return op->reduced; });
+    if (!op->status.ok()) return promise.SetError(ToError(op->status));
+    std::memcpy(out, op->out.data(), op->out.size());
+    op->event.returned = Now();
+    InFlightTable::Get().Log(op->event);
+    promise.SetAvailable();
+  });
+  return future;
+}
+
+}  // namespace
+
+std::vector<AsyncEvent> AsyncTimeline() { return InFlightTable::Get().Timeline(); }
+
+size_t AllReducesInFlight() { return InFlightTable::Get().Size(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // handle: [op_id, sequence]
+                                  .Attr<int64_t>("op_id")        // same on every device
+                                  .Attr<int32_t>("algorithm")    // Algorithm code
+                                  .Attr<int32_t>("nranks")       // ranks on the reduced axes
+                                  .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
+                                  .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
+                                  .Attr<double>("prescale")      // before the wire cast
+                                  .Attr<double>("postscale"));   // after the reduction
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
+                                  .Ret<ffi::AnyBuffer>());       // y: the started x, reduced
+
+}  // namespace jaxcomm::cpu
