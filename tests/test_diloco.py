@@ -19,6 +19,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -445,6 +446,71 @@ def _run_simple(tx, mesh, axes, params, grads):
     return out
 
 
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+def test_error_feedback_sends_what_the_wire_dropped_next_time(backend):
+    """Hand-worked in exact binary fractions: each device's pseudo-gradient is
+    1 + 3 * 2^-9 per step (a bfloat16 has 8 significant bits: it rounds to
+    1 + 2^-7, dropping -2^-9; then the residual makes 1 + 2^-8, a tie that
+    rounds to 1, dropping 2^-8; then 1 + 5 * 2^-9, dropping 2^-9), prescaled
+    by 1/8; SGD(1) inside and outside, a sync every step. Alike on every
+    device so that any adder sums the wire values exactly. The reference
+    replays cast, mean and residual in NumPy with ml_dtypes."""
+    mesh = _mesh()
+    g = np.full((N, 4), 1 + 3 * 2.0**-9, np.float32)
+    grads = [{"w": g}] * 3
+    kept, runs = {}, {}
+    for ef in (False, True):
+        tx = jaxcomm.diloco(
+            optax.sgd(1.0),
+            optax.sgd(1.0),
+            "data",
+            sync_every=1,
+            wire_dtype=jnp.bfloat16,
+            error_feedback=ef,
+            backend=backend,
+        )
+        runs[ef] = _run_simple(tx, mesh, "data", {"w": jnp.zeros(4)}, grads)
+    for ef in (False, True):
+        w, e = np.zeros(4), np.zeros((N, 4))
+        for step in grads:
+            sent = step["w"].astype(np.float64) + (e if ef else 0)
+            wire = (sent / N).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+            e = sent - N * wire
+            w = w - wire.sum(axis=0)
+            got_params, got_state = runs[ef][len(kept.get(ef, []))]
+            kept.setdefault(ef, []).append(w)
+            np.testing.assert_array_equal(got_params["w"], w.astype(np.float32))
+            if ef:
+                np.testing.assert_array_equal(got_state.error.value[0][0], e.astype(np.float32))
+        if ef:  # what was applied is what was sent, less what is still kept
+            np.testing.assert_array_equal(-w, g.astype(np.float64).mean(0) * 3 - e.mean(0))
+    assert not np.array_equal(kept[True][-1], kept[False][-1])  # without it, 2^-9s are lost
+    assert runs[False][0][1].error.value == ()
+
+
+def test_error_feedback_overlapped_equals_it_in_the_sync_step():
+    """The started exchange sends and keeps what the in-step one does."""
+    mesh = _mesh()
+    g = np.full((N, 4), 1 + 3 * 2.0**-9, np.float32)
+    finals = []
+    for backend in ("xla", "auto"):  # in the sync step; started there, finished a step later
+        tx = jaxcomm.diloco(
+            optax.sgd(1.0),
+            optax.sgd(1.0),
+            "data",
+            sync_every=2,
+            delay=1,
+            wire_dtype=jnp.bfloat16,
+            error_feedback=True,
+            backend=backend,
+        )
+        out = _run_simple(tx, mesh, "data", {"w": jnp.zeros(4)}, [{"w": g}] * 8)
+        finals.append((out[-1][0]["w"], out[-1][1].error.value[0][0]))
+    assert finals[0][0].tobytes() == finals[1][0].tobytes()
+    assert finals[0][1].tobytes() == finals[1][1].tobytes()
+    assert np.abs(finals[0][1]).max() > 0  # something was dropped and kept
+
+
 def test_one_collective_per_dtype_on_hierarchical_axes():
     mesh = mesh_of((2, 4), ("node", "local"))
     axes = ("node", "local")
@@ -795,6 +861,7 @@ def test_a_handle_from_another_process_is_refused_by_name():
         ({"delay": 4}, ValueError, "delay=4 must be < sync_every=4"),
         ({"delay": 1.0}, TypeError, "delay=1.0"),
         ({"mixing": 1.0}, ValueError, "mixing=1.0"),
+        ({"error_feedback": True}, ValueError, "wire_dtype=None nothing is dropped"),
         ({"mixing": -0.5}, ValueError, "mixing=-0.5"),
         ({"mixing": "half"}, ValueError, "mixing='half'"),
     ],

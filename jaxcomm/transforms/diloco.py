@@ -50,12 +50,13 @@ class DiLoCoState(NamedTuple):
       count: int32, steps taken.
       stats: :class:`jaxcomm.CommStats` of the last step.
       pending: with ``delay > 0``, per fragment the averaged pseudo-gradient
-        (or, where the exchange overlaps the steps between, int32[2] handles of
-        the allreduces in flight, one per dtype)
-        of its last sync (the same on every device), waiting to be applied;
+        of its last sync (the same on every device), waiting to be applied, or,
+        where the exchange overlaps the steps between, the int32[2] handles of
+        its allreduces in flight (one per dtype, the same on every device);
         ``()`` without a delay.
-      error: ``PerDevice`` error-feedback buffers of a sparse outer step
-        (:func:`jaxcomm.sparseloco`), a list per fragment; ``()`` otherwise.
+      error: ``PerDevice`` error-feedback buffers, a list per fragment: of a
+        sparse outer step (:func:`jaxcomm.sparseloco`), or what a narrow wire
+        dropped (``error_feedback=True``); ``()`` otherwise.
     """
 
     local: _state.PerDevice
@@ -80,6 +81,7 @@ def diloco(
     delay: int = 0,
     mixing: float = 0.0,
     wire_dtype=None,
+    error_feedback: bool = False,
     bucket_bytes: float | None = None,
     algorithm: str = "auto",
     backend: str = "auto",
@@ -126,7 +128,10 @@ def diloco(
         ones (Streaming DiLoCo's mixing factor; 0 adopts them).
       wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16``, an 8-bit float,
         ``"int8"`` or ``"int4"`` for the pseudo-gradient, as in :func:`jaxcomm.allreduce`
-        (the last four xla only; no error feedback: what a sync's encoding drops is lost).
+        (the last four xla only).
+      error_feedback: with a narrow wire, add what this device's encoding of
+        its pseudo-gradient dropped at a fragment's last sync to what it sends
+        at the next (kept per device in ``state.error``); otherwise it is lost.
       bucket_bytes: fusion threshold within a fragment, as in
         :func:`jaxcomm.allreduce_gradients` (``None``: per leaf on xla, 4 MiB on ffi).
       algorithm: as in :func:`jaxcomm.allreduce`.
@@ -177,7 +182,15 @@ def diloco(
       Distributed Free Lunch <https://arxiv.org/abs/2501.18512>`_, 2025
     """
     _check_optimizer("inner", inner)
-    rule = outer if isinstance(outer, SparseOuter) else _OptaxOuter(outer)
+    if isinstance(outer, SparseOuter):
+        if error_feedback:
+            raise ValueError(
+                "error_feedback=True is for a dense outer step over a narrow wire; "
+                "jaxcomm.sparse_outer keeps its own error-feedback buffer"
+            )
+        rule = outer
+    else:
+        rule = _OptaxOuter(outer, error_feedback=bool(error_feedback))
     sync_every, fragments = check_sync_schedule(sync_every, fragments)
     delay = check_delay(delay, sync_every)
     mixing = _check_mixing(mixing)
@@ -189,6 +202,12 @@ def diloco(
         backend=backend,
         started=bool(delay) and isinstance(rule, _OptaxOuter),
     )
+    if error_feedback and not comm.narrow:
+        raise ValueError(
+            "error_feedback=True keeps what a narrow wire's encoding drops; with "
+            f"wire_dtype={wire_dtype!r} nothing is dropped. Pass a 16- or 8-bit float "
+            "or an integer wire_dtype, or leave error_feedback off"
+        )
 
     def overlapped() -> bool:
         # Decided the same way by init and update: the platform's, not the axes'.
@@ -372,20 +391,36 @@ class _OptaxOuter:
     """DiLoCo's outer step: any optax optimizer on the averaged pseudo-gradient,
     which travels dense, in ``bucket_bytes`` buckets (:func:`jaxcomm.allreduce`)."""
 
-    def __init__(self, outer):
+    def __init__(self, outer, *, error_feedback: bool = False):
         _check_optimizer("outer", outer)
         self.outer = outer
+        self.error_feedback = error_feedback
 
     def init(self, leaves):
         return self.outer.init(leaves)
 
     def init_error(self, parts, comm):
-        del parts, comm
-        return _state.PerDevice(())
+        """Per fragment, per device: what the wire dropped at its last sync."""
+        if not self.error_feedback:
+            return _state.PerDevice(())
+        return _state.per_device_zeros(tuple(list(part) for part in parts), comm, "error feedback")
+
+    def outgoing(self, anchor, local, error, bound):
+        """What this device sends: params - local, plus what the wire dropped
+        last time; and the error buffers after this send (None without
+        error feedback). A non-finite value keeps the old buffer."""
+        delta = [g - x for g, x in zip(anchor, local, strict=True)]
+        if error is None:
+            return delta, None
+        sent = [d + e for d, e in zip(delta, error, strict=True)]
+        bad = _state.any_nonfinite(sent)
+        return sent, [
+            jnp.where(bad, e, bound.cast_error(x)) for x, e in zip(sent, error, strict=True)
+        ]
 
     def reduce(self, anchor, local, error, bound, theta):
-        delta = [g - x for g, x in zip(anchor, local, strict=True)]
-        return reduce_in_buckets(delta, bound, theta)[0], error
+        sent, error = self.outgoing(anchor, local, error, bound)
+        return reduce_in_buckets(sent, bound, theta)[0], error
 
     def step(self, mean, outer_state, anchor):
         return self.outer.update(mean, outer_state, anchor)
@@ -427,10 +462,10 @@ def _start(operands, bound, rule, theta):
     """A delayed sync that overlaps the steps until it lands: starts the
     average of params - local, one allreduce per :func:`_pack` group, and
     returns their handles (the average's finiteness is known at landing)."""
-    del rule, theta  # the dense rule's exchange, in one piece per group
+    del theta  # the dense rule's exchange, in one piece per group
     anchor, local, error, _ = operands
-    delta = [g - x for g, x in zip(anchor, local, strict=True)]
-    return [bound.allreduce_start(flat) for flat in _pack(delta)], error, jnp.bool_(False)
+    sent, error = rule.outgoing(anchor, local, error, bound)
+    return [bound.allreduce_start(flat) for flat in _pack(sent)], error, jnp.bool_(False)
 
 
 def _hold(operands):
