@@ -1,0 +1,299 @@
+"""Does DiLoCo's delayed sync overlap the steps between? A timeline on shaped links.
+
+Starts ``--hosts`` processes on the testbed of ``bench/network.py`` (one
+network namespace each, links shaped with ``tc tbf``), each with one CPU
+device, and trains ``examples/lm``'s transformer with ``jaxcomm.diloco``
+(AdamW inside, the paper's Nesterov outer step) in these configurations, one
+after another, on the same batches:
+
+- ``local``: ``sync_every`` beyond the run: no sync, the compute-only step;
+- ``sync``: a sync every ``--sync-every`` steps, its update landing
+  ``--delay`` steps later, the collective inside the sync step
+  (``backend="xla"``: gloo);
+- ``overlapped``: the same with ``backend="auto"``: the sync step starts the
+  exchange on jaxcomm's transport and the landing step finishes it;
+- ``plain``: no delay (``backend="xla"``), the sync step waits for it.
+
+Each first runs ``--sync-every + --delay`` steps untimed (compilation, every
+connection opened), then times ``--steps`` (whole cycles: as many syncs as
+landings).
+
+Each process times every step (``time.monotonic()``, one step in flight) and
+reads ``jaxcomm._ffi.async_timeline()``: when each started exchange was
+started, done on the network, waited for and returned. Prints per
+configuration the mean step, the median step, the slowest step and the mean
+against ``local``'s; writes the rows (``--json``) and a timeline plot
+(``--png``): host 0's steps as bars, each started exchange as a span.
+
+    python bench/diloco_overlap.py --rate 10mbit --json o.json --png o.png
+    python bench/diloco_overlap.py --from-json o.json --png o.png
+
+Needs root (namespaces), as ``bench/network.py`` does; says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
+
+import netbed  # noqa: E402  (beside this file)
+import network  # noqa: E402
+
+CONFIGS = ("local", "overlapped", "sync", "plain")
+AXIS = "data"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=", ".join(CONFIGS))
+    parser.add_argument("--rate", default="10mbit", help="link rate")
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--sync-every", type=int, default=30)
+    parser.add_argument("--delay", type=int, default=20)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch-per-device", type=int, default=8)
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--png", help="write the timeline here")
+    parser.add_argument("--from-json", help="no run: table and plot from this JSON file")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a host's process: its config
+    args = parser.parse_args(argv)
+    args.config_list = [c for c in args.configs.split(",") if c]
+    for config in args.config_list:
+        if config not in CONFIGS:
+            parser.error(f"--configs: unknown {config!r}; choose from {', '.join(CONFIGS)}")
+    if not 0 < args.delay < args.sync_every:
+        parser.error(f"--delay {args.delay} must be in [1, --sync-every {args.sync_every})")
+    try:
+        args.rate_bps = netbed.parse_rate(args.rate)
+    except ValueError as e:
+        parser.error(str(e))
+    args.devices_per_host = 1  # network.worker_env reads it
+    return args
+
+
+def say(message: str):
+    print(f"diloco_overlap: {message}", file=sys.stderr, flush=True)
+
+
+# -- one host's process -------------------------------------------------------
+
+
+def worker(args) -> int:
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from network_worker import emit, progress
+    from quality_worker import load_example
+
+    import jaxcomm
+    from jaxcomm import _ffi, distributed
+
+    distributed.initialize()
+    config = args.worker
+    data, model = load_example("lm", "data", "model")
+    corpus = data.load_corpus()
+    net = model.ByteTransformer(
+        layers=args.layers, width=args.width, heads=4, context=64, rngs=nnx.Rngs(0)
+    )
+    graphdef, params = nnx.split(net, nnx.Param)
+
+    def loss(params, windows):
+        logits = nnx.merge(graphdef, params)(windows[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    every = args.steps + 1 if config == "local" else args.sync_every
+    delay = 0 if config in ("local", "plain") else args.delay
+    backend = "auto" if config == "overlapped" else "xla"
+    tx = jaxcomm.diloco(
+        optax.adamw(3e-3), outer, AXIS, sync_every=every, delay=delay, backend=backend
+    )
+
+    def place(value, spec):
+        value = np.asarray(value)
+        return jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, spec), lambda i: value[i]
+        )
+
+    params = jax.tree.map(lambda v: place(v, P()), params)
+    with jax.set_mesh(mesh):
+        specs = jaxcomm.state_specs(jax.eval_shape(tx.init, params), AXIS)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs))(params)
+
+    def step(params, state, windows):
+        grads = jax.grad(loss)(jaxcomm.local_params(state), windows)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+    )
+    rng = np.random.default_rng(1)  # the same batches on every host and configuration
+    n = mesh.size * args.batch_per_device
+    # Not timed: a cycle and a landing first, which compile the step and open
+    # the connections of both the sync and the landing.
+    warm = args.sync_every + args.delay
+    batches = [data.sample_windows(corpus.train, n, 65, rng) for _ in range(warm + args.steps)]
+    steps = []
+    for t, batch in enumerate(batches):
+        windows = place(batch, P(AXIS))
+        began = time.monotonic()
+        params, state = jax.block_until_ready(run(params, state, windows))  # one in flight
+        if t >= warm:
+            steps.append((began, time.monotonic()))
+        elif t == 0:
+            progress(f"{config}: compiled")
+    first = steps[0][0]
+    me = jax.local_devices()[0].id
+    timeline = [
+        dict(zip(("started", "reduced", "landed", "returned"), e[4:], strict=True))
+        for e in _ffi.async_timeline()
+        if e[0] == me and e[4] >= first
+    ]
+    times = [b - a for a, b in steps]
+    emit(
+        {
+            "config": config,
+            "hosts": jax.process_count(),
+            "steps": args.steps,
+            "sync_every": every,
+            "delay": delay,
+            "mean_step_s": statistics.fmean(times),
+            "median_step_s": statistics.median(times),
+            "max_step_s": max(times),
+            "step_times": steps,
+            "exchanges": timeline,
+        }
+    )
+    return 0
+
+
+# -- the driver --------------------------------------------------------------
+
+
+def run_inside(args) -> int:
+    netbed.install_interrupt_handlers()
+    deadline = time.monotonic() + args.timeout
+    rows = []
+    with netbed.Testbed(args.hosts, args.rate_bps) as bed:
+        measured = netbed.measure_link(bed, seconds=2.0)
+        rows.append({"config": "link", "rate_bps": args.rate_bps, "measured_bps": measured})
+        say(f"{netbed.format_rate(args.rate_bps)}: one TCP stream {measured / 1e6:.1f} Mbit/s")
+        for config in args.config_list:
+            say(f"{config}: starting")
+            argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", config]
+            result = netbed.run_hosts(
+                bed, argv, lambda host: network.worker_env(args, bed, host), deadline=deadline
+            )
+            rows.extend({"rate_bps": args.rate_bps, **r} for r in result.rows)
+            network.write_json(args.json, rows)
+            if result.code:
+                say(f"{config}: failed ({result.code})")
+                return result.code
+    return 0
+
+
+def report(args, rows: list[dict]):
+    runs = {r["config"]: r for r in rows if r.get("config") in CONFIGS}
+    link = next((r["measured_bps"] for r in rows if r.get("config") == "link"), None)
+    local = runs.get("local", {}).get("mean_step_s")
+    print(
+        f"\n{netbed.format_rate(rows[0]['rate_bps'])}"
+        + (f" (one TCP stream {link / 1e6:.1f} Mbit/s)" if link else "")
+    )
+    print(f"{'config':<12}{'mean s':>9}{'median s':>10}{'max s':>8}{'vs local':>10}")
+    for name in CONFIGS:
+        if name not in runs:
+            continue
+        r = runs[name]
+        vs = f"{r['mean_step_s'] / local:.3f}" if local else "-"
+        print(
+            f"{name:<12}{r['mean_step_s']:>9.3f}{r['median_step_s']:>10.3f}"
+            f"{r['max_step_s']:>8.2f}{vs:>10}"
+        )
+        for e in r.get("exchanges", []):
+            first = r["step_times"][0][0]
+            print(
+                f"    exchange started {e['started'] - first:7.2f} s, on the network "
+                f"{e['reduced'] - e['started']:5.2f} s, waited for at "
+                f"{e['landed'] - first:7.2f} s, returned after {e['returned'] - e['landed']:.3f} s"
+            )
+    if args.png:
+        plot(runs, args.png)
+
+
+def plot(runs: dict, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in CONFIGS if n in runs]
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(names)))
+    for y, name in enumerate(reversed(names)):
+        r = runs[name]
+        first = r["step_times"][0][0]
+        bars = [(a - first, b - a) for a, b in r["step_times"]]
+        ax.broken_barh(bars, (y - 0.3, 0.6), facecolors=["#4c72b0", "#8da0cb"] * len(bars))
+        for e in r.get("exchanges", []):
+            ax.plot(
+                [e["started"] - first, e["reduced"] - first], [y + 0.38] * 2, "-", color="#dd8452"
+            )
+            ax.plot([e["landed"] - first], [y + 0.38], "v", color="#c44e52")
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlabel("seconds since the first timed step (host 0); bars: steps")
+    ax.set_title(
+        "DiLoCo steps; orange: a started exchange on the network, red: its landing step waits"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    say(f"timeline in {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.from_json:
+        with open(args.from_json) as f:
+            report(args, json.load(f))
+        return 0
+    if os.environ.get(netbed.INSIDE_ENV) == "1":
+        return run_inside(args)
+    reason = netbed.check_can_isolate()
+    if reason is not None:
+        say(f"cannot make network namespaces here: {reason}")
+        return 2
+    if args.json is None:
+        parser_error = "--json is needed for a run (the rows go there)"
+        say(parser_error)
+        return 2
+    code = netbed.run_isolated(
+        [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
+        timeout_s=args.timeout + 60,
+    )
+    if os.path.exists(args.json) and os.path.getsize(args.json):
+        with open(args.json) as f:
+            report(args, json.load(f))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
