@@ -105,7 +105,8 @@ CONFIG_SETTINGS = {
     # xla's default bucket_bytes=0: one all-to-all + all-gather per leaf.
     "fp8": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
     "fp8_ef": Settings(wire_dtype="float8_e4m3fn", bucket_bytes=0.0),
-    "powersgd_r4": Settings(powersgd_rank=4),
+    # network_worker's powersgd_r4: rank 4 on every matrix (mask=None).
+    "powersgd_r4": Settings(powersgd_rank=4, powersgd_mask=None),
     "diloco_h10": Settings(sync_every=10, bucket_bytes=math.inf),
     # jaxcomm's TCP ring: ffi's default 4 MiB buckets, on the same link.
     "fp16_ffi": Settings(wire_dtype="float16", bucket_bytes=DEFAULT_BUCKET_BYTES),
@@ -325,7 +326,7 @@ def predict(train_rows, fits) -> list[dict]:
         compute, at = terms[(hosts, devices, compute_from)]
         link, link_basis = link_at(fits, r["rate_bps"], hosts, devices)
         settings = CONFIG_SETTINGS[config]
-        if settings.powersgd_rank is not None and leaf_shapes(r) is None:
+        if settings.uses_powersgd and leaf_shapes(r) is None:
             say(f"{config}: leaf shapes unknown for {r['params']} parameters; skipped")
             continue
         predicted = step_time(r, compute, link, settings)

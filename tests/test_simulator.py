@@ -228,7 +228,7 @@ PSGD = Workload(
 
 def test_powersgd_sends_dense_leaves_then_p_then_q_after_backward():
     # 2 ranks at 1 kB/s: n bytes take n / 1000 s.
-    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4))
+    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, powersgd_mask=None))
     kinds = [(c.kind, c.tensors, c.nbytes) for c in r.collectives]
     assert kinds == [("gradients", (1, 2, 3), 936), ("P", (0,), 1600), ("Q", (0,), 800)]
     assert _starts(r) == [((1, 2, 3), 4.0, 4.936), ((0,), 4.936, 6.536), ((0,), 6.536, 7.336)]
@@ -238,7 +238,9 @@ def test_powersgd_sends_dense_leaves_then_p_then_q_after_backward():
 def test_powersgd_with_overlap_q_waits_for_p_and_the_network():
     # The compressed leaf exists at 2 s: P runs 2.0-3.6, Q follows at once
     # (3.6-4.4); the dense leaves are ready at 4 s but the network is busy until 4.4.
-    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, overlap=True))
+    r = simulate(
+        PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, powersgd_mask=None, overlap=True)
+    )
     assert [c.kind for c in r.collectives] == ["P", "Q", "gradients"]
     assert [(c.ready, c.start, c.end) for c in r.collectives] == [
         (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(3.6)),
@@ -250,7 +252,11 @@ def test_powersgd_with_overlap_q_waits_for_p_and_the_network():
 
 def test_powersgd_wire_and_rank_clamp_and_boundary():
     # float16 halves every collective.
-    r = simulate(PSGD, _net(bandwidth=1e3), Settings(powersgd_rank=4, wire_dtype="float16"))
+    r = simulate(
+        PSGD,
+        _net(bandwidth=1e3),
+        Settings(powersgd_rank=4, powersgd_mask=None, wire_dtype="float16"),
+    )
     assert [c.nbytes for c in r.collectives] == [468, 800, 400]
     # Rate 0.1: (2, 1000) (1002 x 4 x 0.1 <= 2000) at rank min(4, 2) = 2 is P 4,
     # Q 2000; (4, 4) (8 x 4 x 0.1 <= 16) at rank 4 is P 16, Q 16.
@@ -261,9 +267,9 @@ def test_powersgd_wire_and_rank_clamp_and_boundary():
         forward_time=0.0,
         batch=1,
     )
-    r = simulate(w, _net(), Settings(powersgd_rank=4, min_compression_rate=0.1))
+    r = simulate(w, _net(), Settings(powersgd_rank=4, powersgd_mask=None, min_compression_rate=0.1))
     assert [(c.kind, c.nbytes) for c in r.collectives] == [("P", 4 * (4 + 16)), ("Q", 4 * 2016)]
-    r = simulate(w, _net(), Settings(powersgd_rank=1))
+    r = simulate(w, _net(), Settings(powersgd_rank=1, powersgd_mask=None))
     assert [(c.kind, c.nbytes) for c in r.collectives] == [
         ("gradients", 4 * 2000),
         ("P", 4 * 4),
@@ -324,8 +330,29 @@ def test_powersgd_payload_is_jaxcomms(shapes):
 
     # Every matrix the size rule takes, compressed from the first step.
     tx = jaxcomm.powersgd("data", rank=3, start_step=0, mask=None, backend="xla")
-    r = simulate(_workload(shapes), _net(p=8), Settings(powersgd_rank=3))
+    r = simulate(_workload(shapes), _net(p=8), Settings(powersgd_rank=3, powersgd_mask=None))
     assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        # An LM's: the (vocab, width) embedding and (context, width) positions stay
+        # dense under mask="auto"; the rank is each matrix's min(rows, cols) // 4.
+        {"embed": (256, 64), "pos": (65, 64), "qkv": (64, 192), "out": (64, 64), "b": (64,)},
+        {"w": (64, 48), "v": (48, 64), "c": (16, 3, 3, 8)},
+    ],
+)
+def test_powersgd_defaults_payload_is_jaxcomms(shapes):
+    import jaxcomm
+
+    tx = jaxcomm.powersgd("data", start_step=0, backend="xla")  # the defaults, compressing
+    r = simulate(_workload(shapes), _net(p=8), Settings(powersgd=True))
+    assert sum(c.nbytes for c in r.collectives) == _library_payload(tx, shapes)
+    # ... which the mask changed: without it the payload is another.
+    unmasked = simulate(_workload(shapes), _net(p=8), Settings(powersgd=True, powersgd_mask=None))
+    if "embed" in shapes:
+        assert sum(c.nbytes for c in unmasked.collectives) < sum(c.nbytes for c in r.collectives)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, math.inf])

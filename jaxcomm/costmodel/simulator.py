@@ -37,13 +37,18 @@ Rules:
   all-gather with a float32 scale per chunk of 256 elements: its bytes are
   jaxcomm's own count (``jaxcomm.collectives.Wire.exchange_bytes``):
   a byte an element for int8, half a byte for int4, 4 bytes a chunk.
-* PowerSGD (``powersgd_rank``): a leaf of ``shape`` with ``ndim >= 2`` is
-  viewed as ``(shape[0], prod(shape[1:]))`` and compressed when
-  ``(rows + cols) · rank · min_compression_rate <= rows · cols``, rank
-  ``min(powersgd_rank, rows, cols)``, as :func:`jaxcomm.powersgd` decides.
-  A step sends the other leaves in one collective (ready when its last
-  gradient is), every P (``rows · rank`` elements each) in one, ready when
-  the last compressed gradient is, then every Q (``cols · rank``), which
+* PowerSGD (``powersgd=True``, or a ``powersgd_rank``): the leaves
+  :func:`jaxcomm.powersgd` compresses with the same ``rank``,
+  ``min_compression_rate`` and ``mask`` (``powersgd_mask``: ``"auto"``,
+  ``None`` or a bool per tensor), by its own rule
+  (:func:`jaxcomm.transforms.powersgd.compressed_matrices`): a leaf of
+  ``shape`` with ``ndim >= 2`` is viewed as ``(shape[0], prod(shape[1:]))``
+  and compressed at its rank when ``(rows + cols) · rank ·
+  min_compression_rate <= rows · cols``. The steps before ``start_step`` are
+  not modelled: this is the compressed steady state. A step sends the other
+  leaves in one collective (ready when its last gradient is), every P
+  (``rows · rank`` elements each) in one, ready when the last compressed
+  gradient is, then every Q (``cols · rank``), which
   needs the reduced P: it starts when P's collective ends. ``bucket_bytes``
   does not apply (powersgd fuses all it sends), nor do ``density`` and
   ``double_buffering`` (powersgd has neither). On the xla backend XLA's
@@ -140,6 +145,7 @@ from jaxcomm._validate import (
 from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, Wire
 from jaxcomm.costmodel.cluster import ALGORITHMS, Cluster
 from jaxcomm.transforms import plan_buckets
+from jaxcomm.transforms.powersgd import compressed_matrices
 from jaxcomm.transforms.sparseloco import SparseOuter
 
 GRADIENT_ITEMSIZE = 4  # gradients are float32 (mixed precision keeps float32 master gradients)
@@ -230,8 +236,12 @@ class Settings:
       chunk_elements: CSC chunk size.
       algorithm: ``"ring"``, ``"hierarchical"`` or ``"tree"``. An FP8 wire
         has one schedule (all-to-all, all-gather): ``"ring"`` only.
-      powersgd_rank: ``None`` (no PowerSGD) or the rank of
-        :func:`jaxcomm.powersgd`'s factors.
+      powersgd: PowerSGD with :func:`jaxcomm.powersgd`'s defaults but for the
+        options below (implied by a ``powersgd_rank``).
+      powersgd_rank: the rank of :func:`jaxcomm.powersgd`'s factors; ``None``:
+        its default, from each matrix's shape.
+      powersgd_mask: as :func:`jaxcomm.powersgd`'s ``mask``: ``"auto"``,
+        ``None``, or one bool per tensor in ``Workload.tensors``' order.
       min_compression_rate: as :func:`jaxcomm.powersgd`'s.
       sync_every: ``None`` (every step communicates) or DiLoCo's ``H``, as
         :func:`jaxcomm.diloco`'s.
@@ -251,7 +261,9 @@ class Settings:
     density: float = 1.0
     chunk_elements: int = CSC_CHUNK_ELEMENTS
     algorithm: str = "ring"
+    powersgd: bool = False
     powersgd_rank: int | None = None
+    powersgd_mask: object = "auto"
     min_compression_rate: float = 2.0
     sync_every: int | None = None
     fragments: int = 1
@@ -278,20 +290,20 @@ class Settings:
             )
         if self.powersgd_rank is not None:
             check_positive_integer("powersgd_rank", self.powersgd_rank)
-            if self.density < 1 or self.double_buffering or self.scaled:
-                raise ValueError(
-                    f"powersgd_rank={self.powersgd_rank}: powersgd has no density or "
-                    "double_buffering, and takes float16 and bfloat16 wires only"
-                )
+        if self.uses_powersgd and (self.density < 1 or self.double_buffering or self.scaled):
+            raise ValueError(
+                "powersgd: powersgd has no density or double_buffering, and takes "
+                "float16 and bfloat16 wires only"
+            )
 
         check_positive_integer("fragments", self.fragments)
         if self.sync_every is not None:
             check_sync_schedule(self.sync_every, self.fragments)
             check_delay(self.delay, self.sync_every)
-            if self.density < 1 or self.double_buffering or self.powersgd_rank is not None:
+            if self.density < 1 or self.double_buffering or self.uses_powersgd:
                 raise ValueError(
                     f"sync_every={self.sync_every}: diloco has no density, double_buffering "
-                    "or powersgd_rank"
+                    "or powersgd"
                 )
             if self.sparse_outer is not None and not isinstance(self.sparse_outer, SparseOuter):
                 raise TypeError(
@@ -307,6 +319,11 @@ class Settings:
                 f"fragments={self.fragments}, delay={self.delay}, sparse_outer="
                 f"{self.sparse_outer!r} need sync_every (DiLoCo's H)"
             )
+
+    @property
+    def uses_powersgd(self) -> bool:
+        """PowerSGD is modelled: ``powersgd=True`` or a ``powersgd_rank``."""
+        return bool(self.powersgd) or self.powersgd_rank is not None
 
     @property
     def fp8(self) -> bool:
@@ -387,7 +404,7 @@ def simulate(workload: Workload, cluster: Cluster, settings: Settings) -> Result
     forward, compute = workload.forward_time, workload.compute_time
     ready_at = _ready_times(workload, settings.overlap)
     # (ready, tensors, nbytes, seconds on the network, kind)
-    if settings.powersgd_rank is not None:
+    if settings.uses_powersgd:
         queue = _powersgd_collectives(workload, cluster, settings, ready_at)
     else:
         queue = []
@@ -511,19 +528,18 @@ def _gradient_collective(
 
 def _compressed(workload: Workload, settings: Settings) -> list[tuple[int, int, int]]:
     """(backward index, elements of P, elements of Q) of each leaf PowerSGD compresses."""
-    out = []
     for i, tensor in enumerate(workload.tensors):
         if tensor.shape is None:
             raise ValueError(
-                f"tensors[{i}] has no shape: powersgd_rank needs every GradientTensor's shape"
+                f"tensors[{i}] has no shape: powersgd needs every GradientTensor's shape"
             )
-        if len(tensor.shape) < 2:
-            continue
-        rows, cols = tensor.shape[0], math.prod(tensor.shape[1:])
-        if (rows + cols) * settings.powersgd_rank * settings.min_compression_rate <= rows * cols:
-            rank = min(settings.powersgd_rank, rows, cols)
-            out.append((i, rows * rank, cols * rank))
-    return out
+    plan = compressed_matrices(
+        [t.shape for t in workload.tensors],
+        rank=settings.powersgd_rank,
+        min_compression_rate=settings.min_compression_rate,
+        mask=settings.powersgd_mask,
+    )
+    return [(i, rows * rank, cols * rank) for i, rows, cols, rank in plan]
 
 
 def _powersgd_collectives(workload, cluster, settings, ready_at) -> list[tuple]:

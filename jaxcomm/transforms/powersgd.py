@@ -360,19 +360,71 @@ def _matrices(
     leaf) gives the whole shapes of sharded leaves; a leaf split over a
     dimension past its second is averaged densely, as its local columns
     would not be one block of the matrix's."""
+    if layout is None:
+        layout = [(np.shape(x), ()) for x in leaves]
+    ok = [
+        (allowed is None or allowed[i]) and not any(axes[2:]) for i, (_, axes) in enumerate(layout)
+    ]
     out = []
-    for i, leaf in enumerate(leaves):
-        shape, axes = layout[i] if layout is not None else (np.shape(leaf), ())
+    for i, rows, cols, r in _compression_plan(
+        [shape for shape, _ in layout], rank, min_compression_rate, ok
+    ):
+        axes = layout[i][1]
+        row_axes, col_axes = (axes[0], axes[1]) if axes else ((), ())
+        out.append(_Matrix(i, rows, cols, r, row_axes, col_axes))
+    return out
+
+
+def _compression_plan(shapes, rank, min_compression_rate: float, allowed) -> list[tuple]:
+    """The compression rule: (index, rows, cols, rank) of each leaf of
+    ``ndim >= 2`` that `allowed` lets through (None: all) and whose factors
+    are ``min_compression_rate`` times smaller than it."""
+    out = []
+    for i, shape in enumerate(shapes):
         if len(shape) < 2 or (allowed is not None and not allowed[i]):
-            continue
-        if any(axes[2:]):
             continue
         rows, cols = shape[0], math.prod(shape[1:])
         r = _rank_of(rank, rows, cols)
         if (rows + cols) * r * min_compression_rate <= rows * cols:
-            row_axes, col_axes = (axes[0], axes[1]) if axes else ((), ())
-            out.append(_Matrix(i, rows, cols, r, row_axes, col_axes))
+            out.append((i, rows, cols, r))
     return out
+
+
+def compressed_matrices(
+    shapes, *, rank: int | None = None, min_compression_rate: float = 2.0, mask="auto"
+) -> list[tuple[int, int, int, int]]:
+    """Which leaves :func:`powersgd` compresses, and how, from their shapes alone.
+
+    The rule :func:`powersgd` applies (its docstring); ``jaxcomm.costmodel``
+    prices PowerSGD with it.
+
+    Args:
+      shapes: every leaf's whole shape, in tree order.
+      rank, min_compression_rate: as :func:`powersgd`'s.
+      mask: ``"auto"``, ``None``, or one bool per leaf (False keeps it dense).
+
+    Returns:
+      ``(leaf index, rows, cols, rank)`` of each compressed leaf, in tree order.
+
+    Examples:
+      >>> from jaxcomm.transforms.powersgd import compressed_matrices
+      >>> compressed_matrices([(256, 64), (64,), (64, 64), (64, 10)])  # 256: an embedding
+      [(2, 64, 64, 16), (3, 64, 10, 2)]
+      >>> compressed_matrices([(256, 64), (64, 64)], rank=4, mask=None)
+      [(0, 256, 64, 4), (1, 64, 64, 4)]
+    """
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    if mask is None:
+        allowed = None
+    elif isinstance(mask, str):
+        if mask != "auto":
+            raise ValueError(f"mask={mask!r}: use 'auto', None or one bool per leaf")
+        allowed = _auto_mask(shapes)
+    else:
+        allowed = [bool(m) for m in mask]
+        if len(allowed) != len(shapes):
+            raise ValueError(f"mask has {len(allowed)} entries for {len(shapes)} shapes")
+    return _compression_plan(shapes, rank, min_compression_rate, allowed)
 
 
 def _warn_nothing_compressed(params, layout, allowed, mask, rank, rate: float) -> None:
