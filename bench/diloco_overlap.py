@@ -228,6 +228,14 @@ def report(args, rows: list[dict]):
             f"{name:<12}{r['mean_step_s']:>9.3f}{r['median_step_s']:>10.3f}"
             f"{r['max_step_s']:>8.2f}{vs:>10}"
         )
+        busy, idle = split_steps(r)
+        if busy and idle:
+            ratio = statistics.fmean(busy) / statistics.fmean(idle)
+            print(
+                f"    steps while an exchange was on the network: {len(busy)}, mean "
+                f"{statistics.fmean(busy):.3f} s; the others: {len(idle)}, mean "
+                f"{statistics.fmean(idle):.3f} s ({ratio:.3f}x)"
+            )
         for e in r.get("exchanges", []):
             first = r["step_times"][0][0]
             print(
@@ -237,6 +245,17 @@ def report(args, rows: list[dict]):
             )
     if args.png:
         plot(runs, args.png)
+
+
+def split_steps(run: dict) -> tuple[list, list]:
+    """The run's step times, split by whether one of its started exchanges
+    was on the network during the step: the same run's steps, so the load
+    of the machine drifts alike under both."""
+    spans = [(e["started"], e["reduced"]) for e in run.get("exchanges", [])]
+    busy, idle = [], []
+    for a, b in run["step_times"]:
+        (busy if any(a < end and b > start for start, end in spans) else idle).append(b - a)
+    return busy, idle
 
 
 def plot(runs: dict, path: str):
