@@ -1,0 +1,64 @@
+"""bench/quality.py's tables: per-seed changes against the same seed's dense,
+their mean and range, the targets, and its argument checks (its runs are the
+examples', which tests/test_lm_example.py and test_digits_example.py run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("quality_bench", ROOT / "bench" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lm_rows_compare_each_seed_with_its_own_dense(bench):
+    result = {
+        "val_losses": {  # curves per seed; the last point is the final loss
+            "dense": [[3.0, 2.0], [3.0, 2.5]],
+            "csc": [[3.0, 2.1], [3.0, 2.5]],
+        },
+        "rows": [{"config": "dense", "bytes_ratio": 1.0}, {"config": "csc", "bytes_ratio": 0.2}],
+    }
+    rows = {r["config"]: r for r in bench.lm_rows(result)}
+    csc = rows["csc"]
+    assert csc["quality"] == pytest.approx(2.3)
+    # Seed 0: 2.1 / 2.0 - 1 = 5%; seed 1: 0%. Not (2.3 / 2.25 - 1) = 2.2%.
+    assert csc["change"] == pytest.approx(0.025)
+    assert (csc["change_min"], csc["change_max"]) == (pytest.approx(0.0), pytest.approx(0.05))
+    assert csc["bytes_ratio"] == 0.2 and rows["dense"]["change"] == 0.0
+    assert [bench.verdict(c) for c in (0.02, 0.025, 0.031)] == [
+        "within 2%",
+        "within 3%",
+        "above 3%",
+    ]
+    with pytest.raises(ValueError, match="no 'dense' run"):
+        bench.lm_rows({"val_losses": {"csc": [[1.0]]}, "rows": []})
+
+
+def test_digits_rows_give_points_against_dense(bench):
+    result = {
+        "rows": [
+            {"config": "dense", "accuracy_pct": 96.5, "accuracy_sd": 0.3, "bytes_ratio": 1.0},
+            {"config": "fp16+db", "accuracy_pct": 95.75, "accuracy_sd": 0.4, "bytes_ratio": 0.5},
+        ]
+    }
+    rows = {r["config"]: r for r in bench.digits_rows(result)}
+    assert rows["fp16+db"]["change_points"] == pytest.approx(-0.75)
+
+
+def test_configs_filter_each_model_and_unknown_ones_are_named(bench, capsys):
+    args = bench.parse_args(["--models", "lm,digits", "--configs", "powersgd,fp16+db"])
+    assert bench.configs_for(args, "lm") == ["dense", "fp16+db", "powersgd"]
+    assert bench.configs_for(args, "digits") == ["dense", "fp16+db"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "digits", "--configs", "powersgd"])
+    assert "['powersgd'] are none of digits's" in capsys.readouterr().err
