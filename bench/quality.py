@@ -62,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, help="LM steps (default: the example's, 300)")
     p.add_argument("--json", help="write every model's results here")
+    p.add_argument(
+        "--out-dir",
+        help="where the examples write their JSON and plots, run by run (default: a "
+        "temporary directory); each model's runs so far survive a stopped job there",
+    )
     p.add_argument("--from-json", help="no run: the tables from this file")
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
     args = p.parse_args(argv)
@@ -214,7 +219,9 @@ def main(argv=None) -> int:
             results = json.load(f)
     else:
         results = {}
-        with tempfile.TemporaryDirectory() as directory:
+        with tempfile.TemporaryDirectory() as scratch:
+            directory = args.out_dir or scratch
+            os.makedirs(directory, exist_ok=True)
             for model in args.model_list:
                 results[model] = run_model(args, model, directory)
                 if args.json:  # after each model, so a stopped run keeps the others
