@@ -835,7 +835,8 @@ def test_a_handle_from_another_process_is_refused_by_name():
     run, p, state = _start(tx, mesh, _initial_params())
     _, p, state = _steps(run, p, state, x, y, mesh)  # synced after step 3: in flight
     forged = jnp.asarray([1 << 30, 7], jnp.int32)  # no such call site in this process
-    state = state._replace(pending=([jax.device_put(forged, NamedSharding(mesh, P()))],))
+    forged = jax.device_put(forged, NamedSharding(mesh, P()))
+    state = state._replace(pending=([forged] * len(state.pending[0]),))  # one per leaf
     with pytest.raises(Exception, match=r"no allreduce in flight .* handle \[1073741824, 7\]"):
         _steps(run, p, state, x[:2], y[:2], mesh)
 

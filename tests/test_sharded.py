@@ -130,6 +130,21 @@ def test_diloco_on_a_sharded_model(shape, fragments):
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}_fsdp{s[1]}")
+def test_diloco_overlapped_delay_on_a_sharded_model(shape):
+    """A delayed sync started in its step and finished a step later (each
+    fsdp shard its own exchange) lands what the in-step exchange lands."""
+    runs = []
+    for backend in ("auto", "xla"):
+        tx = jaxcomm.diloco(
+            optax.sgd(0.1), optax.sgd(1.0), "data", sync_every=2, delay=1, backend=backend
+        )
+        params, _, _ = sm.run(tx, sm.mesh(*shape), 7)  # syncs after steps 1, 3, 5; lands at 2, 4, 6
+        runs.append(params)
+        _same_over_data(params)
+    _close(runs[0], jax.tree.map(np.asarray, runs[1]), 1e-6, 1e-7)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}_fsdp{s[1]}")
 def test_powersgd_at_full_rank_is_dense(shape):
     """Rank min(rows, cols): P Q^T is the gradient itself (w1 split by rows,
     w2 by columns, b averaged densely)."""

@@ -52,7 +52,8 @@ class DiLoCoState(NamedTuple):
       pending: with ``delay > 0``, per fragment the averaged pseudo-gradient
         of its last sync (the same on every device), waiting to be applied, or,
         where the exchange overlaps the steps between, the int32[2] handles of
-        its allreduces in flight (one per dtype, the same on every device);
+        its allreduces in flight (per leaf, that of the allreduce carrying it;
+        the same on every device);
         ``()`` without a delay.
       error: ``PerDevice`` error-feedback buffers, a list per fragment: of a
         sparse outer step (:func:`jaxcomm.sparseloco`), or what a narrow wire
@@ -465,7 +466,10 @@ def _start(operands, bound, rule, theta):
     del theta  # the dense rule's exchange, in one piece per group
     anchor, local, error, _ = operands
     sent, error = rule.outgoing(anchor, local, error, bound)
-    return [bound.allreduce_start(flat) for flat in _pack(sent)], error, jnp.bool_(False)
+    started = dict(zip(_groups(sent), map(bound.allreduce_start, _pack(sent)), strict=True))
+    # One handle per leaf, its group's: the groups (dtype, axes varied over)
+    # are known only here, inside shard_map, and init must shape the state.
+    return [started[_group(x)] for x in sent], error, jnp.bool_(False)
 
 
 def _hold(operands):
@@ -487,10 +491,13 @@ def _finish(operands, bound, rule):
     the average (done by now unless the link is slower than the steps
     between) and steps from params."""
     anchor, handles, outer_state = operands
+    first = {}  # each group's handle: that of its first leaf
+    for x, h in zip(anchor, handles, strict=True):
+        first.setdefault(_group(x), h)
     like = jax.eval_shape(_pack, anchor)
     done = [
-        _varying(bound.allreduce_done(h, x), key[1])
-        for h, x, key in zip(handles, like, _groups(anchor), strict=True)
+        _varying(bound.allreduce_done(first[key], x), key[1])
+        for x, key in zip(like, _groups(anchor), strict=True)
     ]
     mean = _unpack(done, anchor)
     u, outer_state = rule.step(mean, outer_state, anchor)
@@ -504,12 +511,12 @@ def _no_landing(operands):
 
 def _pending(parts, delay: int, started: bool) -> tuple:
     """The initial pending values per fragment: the average's leaves, zeros
-    replicated like the params (zeros_like keeps their placement), or one
-    int32[2] handle per :func:`_pack` group where the exchange overlaps."""
+    replicated like the params (zeros_like keeps their placement), or, where
+    the exchange overlaps, an int32[2] handle per leaf (see :func:`_start`)."""
     if not delay:
         return ()
     if started:
-        return tuple([jnp.zeros(2, jnp.int32) for _ in _groups(part)] for part in parts)
+        return tuple([jnp.zeros(2, jnp.int32) for _ in part] for part in parts)
     return tuple([jnp.zeros_like(x) for x in part] for part in parts)
 
 
