@@ -279,7 +279,7 @@ class BoundReduction(NamedTuple):
     @property
     def starts_async(self) -> bool:
         """Whether :meth:`allreduce_start` can run here (Reduction.starts_async)."""
-        return self.backend.starts_async and not self.reduction.wire.scaled
+        return self.reduction.starts_async
 
     def allreduce_start(self, flat):
         """Starts the reduction of 1-D `flat` (this reduction's op and wire)
@@ -289,9 +289,10 @@ class BoundReduction(NamedTuple):
         finished exactly once, in the process that started it."""
         if not self.starts_async:
             raise ValueError(
-                f"an allreduce started in one step and finished in another needs "
-                f"backend='ffi' on CPU and a float wire; this one runs on "
-                f"backend={self.backend.name!r} with wire {self.reduction.wire.name or 'float32'}"
+                "an allreduce started in one step and finished in another needs "
+                "backend='ffi' on CPU and a wire the handlers cast (none, float16, "
+                f"bfloat16); this one runs on backend={self.backend.name!r} with "
+                f"wire_dtype={self.reduction.wire.name}"
             )
         return self.backend.allreduce_start(self, flat)
 

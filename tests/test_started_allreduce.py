@@ -1,0 +1,71 @@
+"""An allreduce started in one jitted call and finished in a later one
+(BoundReduction.allreduce_start / allreduce_done, CPU's jaxcomm transport):
+the result against a float64 NumPy mean, what is in flight between the
+calls, and the errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.collectives import reduction
+from tests import reference
+from tests.harness import mesh_of
+
+N = 8
+
+
+def _programs(comm, mesh):
+    def start(x):
+        return comm.bind().allreduce_start(x[0])
+
+    def done(handle, x):
+        like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return comm.bind().allreduce_done(handle, like)
+
+    rows = P("data")
+    return (
+        jax.jit(jax.shard_map(start, mesh=mesh, in_specs=rows, out_specs=P())),
+        jax.jit(jax.shard_map(done, mesh=mesh, in_specs=(P(), rows), out_specs=P())),
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring"])
+@pytest.mark.parametrize("wire", [None, jnp.bfloat16])
+def test_started_then_finished_is_the_mean(algorithm, wire):
+    from jaxcomm import _ffi
+
+    mesh = mesh_of((N,), ("data",))
+    comm = reduction("data", op="mean", wire_dtype=wire, algorithm=algorithm, backend="ffi")
+    start, done = _programs(comm, mesh)
+    a = np.random.default_rng(0).normal(size=(N, 1001)).astype(np.float32)
+    x = jax.device_put(a, NamedSharding(mesh, P("data")))
+    before = _ffi.in_flight()
+    handle = jax.block_until_ready(start(x))
+    assert _ffi.in_flight() == before + N  # one per device, until its done call
+    got = np.asarray(done(handle, x))
+    assert _ffi.in_flight() == before
+    want = a.astype(np.float64).mean(axis=0)
+    if wire is None:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        bound = reference.error_bound(a, "mean", np.dtype(jnp.bfloat16), np.float32)
+        assert np.all(np.abs(got - want) <= bound)
+    # A handle is finished once.
+    with pytest.raises(Exception, match="no allreduce in flight"):
+        jax.block_until_ready(done(handle, x))
+
+
+def test_only_jaxcomms_cpu_transport_starts_one():
+    mesh = mesh_of((N,), ("data",))
+    comm = reduction("data", op="mean", backend="xla")
+    assert not comm.starts_async
+    assert reduction("data", op="mean", started=True).starts_async  # auto picks ffi
+    start, _ = _programs(comm, mesh)
+    x = jax.device_put(np.ones((N, 4), np.float32), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="backend='xla'"):
+        start(x)
