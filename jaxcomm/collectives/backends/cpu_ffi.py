@@ -57,9 +57,7 @@ class CpuFfiBackend(FfiBackend):
         wire, prescale, postscale = bound.scales(flat.dtype)
         return _ffi_calls.allreduce_start(
             flat,
-            self.coords(bound.place),
-            self.peers(flat, bound.place),
-            bound.place,
+            *self._reach(bound, flat),
             algorithm=bound.algorithm,
             wire=wire,
             prescale=prescale,
