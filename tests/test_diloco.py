@@ -834,10 +834,11 @@ def test_a_handle_from_another_process_is_refused_by_name():
     tx = _diloco(optax.sgd(INNER_LR), sync_every=4, delay=2, backend="auto")
     run, p, state = _start(tx, mesh, _initial_params())
     _, p, state = _steps(run, p, state, x, y, mesh)  # synced after step 3: in flight
-    forged = jnp.asarray([1 << 30, 7], jnp.int32)  # no such call site in this process
+    forged = jnp.asarray([12345, 1 << 30, 7], jnp.int32)  # no such job or call site
     forged = jax.device_put(forged, NamedSharding(mesh, P()))
     state = state._replace(pending=([forged] * len(state.pending[0]),))  # one per leaf
-    with pytest.raises(Exception, match=r"no allreduce in flight .* handle \[1073741824, 7\]"):
+    refused = r"no allreduce in flight .* handle \[12345, 1073741824, 7\]"
+    with pytest.raises(Exception, match=refused):
         _steps(run, p, state, x[:2], y[:2], mesh)
 
 

@@ -60,6 +60,20 @@ def test_started_then_finished_is_the_mean(algorithm, wire):
         jax.block_until_ready(done(handle, x))
 
 
+def test_a_handle_of_another_job_is_refused_even_where_its_ids_match():
+    """A new job's call-site ids and sequences restart: only the job's nonce
+    tells a restored handle from one of this job's operations."""
+    mesh = mesh_of((N,), ("data",))
+    start, done = _programs(reduction("data", op="mean", backend="ffi"), mesh)
+    x = jax.device_put(np.ones((N, 16), np.float32), NamedSharding(mesh, P("data")))
+    handle = np.asarray(start(x))
+    other = handle.copy()
+    other[0] ^= 1  # the same call site and sequence, another job
+    with pytest.raises(Exception, match="no allreduce in flight"):
+        jax.block_until_ready(done(jax.device_put(other, NamedSharding(mesh, P())), x))
+    np.testing.assert_array_equal(np.asarray(done(handle, x)), np.ones(16))  # still there
+
+
 def test_only_jaxcomms_cpu_transport_starts_one():
     mesh = mesh_of((N,), ("data",))
     comm = reduction("data", op="mean", backend="xla")

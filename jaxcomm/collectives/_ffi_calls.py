@@ -106,34 +106,39 @@ def allreduce_parts(
 
 
 def allreduce_start(
-    x, coords, peers: dict, place: AxisPlacement, *, algorithm, wire, prescale, postscale
+    x, coords, peers: dict, place: AxisPlacement, *, algorithm, wire, prescale, postscale, nonce
 ):
-    """Starts the allreduce of flat `x` and returns at once: int32[2], the
-    handle that :func:`allreduce_done` takes in a later execution. The handle
-    is the same on every device (xla_ffi/cpu/allreduce_async.cc), so it is
-    typed replicated over every axis, even those x varies over beside `place`'s."""
+    """Starts the allreduce of flat `x` and returns at once: int32[3], the
+    handle that :func:`allreduce_done` takes in a later execution, [`nonce`,
+    op id, sequence]. The handle is the same on every device
+    (xla_ffi/cpu/allreduce_async.cc), so it is typed replicated over every
+    axis, even those x varies over beside `place`'s."""
     _extension.require("cpu")
     mat = getattr(jax.typeof(x), "manual_axis_type", None)
     every = tuple(mat.varying) if mat is not None else ()
     call = jax.ffi.ffi_call(
         "jaxcomm_allreduce_start",
-        _result(x, (2,), every or place.axes, jnp.int32),
+        _result(x, (3,), every or place.axes, jnp.int32),
         has_side_effect=True,
     )
     return call(
-        x, coords, **_reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale)
+        x,
+        coords,
+        **_reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale),
+        nonce=np.int32(nonce),
     )
 
 
-def allreduce_done(handle, shape, dtype):
+def allreduce_done(handle, shape, dtype, *, nonce):
     """The result of the allreduce that returned `handle`: `shape` and `dtype`
     as the started input, typed as the handle is (replicated: where the input
-    varied over other axes too, the caller types the result back)."""
+    varied over other axes too, the caller types the result back). A handle
+    without this job's `nonce` is refused."""
     _extension.require("cpu")
     call = jax.ffi.ffi_call(
         "jaxcomm_allreduce_done", _result(handle, shape, (), dtype), has_side_effect=True
     )
-    return call(handle)
+    return call(handle, nonce=np.int32(nonce))
 
 
 def reduce_scatter(x, coords, peers: dict, place: AxisPlacement, *, wire, prescale, postscale):

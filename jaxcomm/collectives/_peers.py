@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,28 @@ def next_op_id() -> np.int64:
     """A fresh call-site id. Every process traces the same program, so the
     counters agree across processes."""
     return np.int64(next(_op_ids))
+
+
+_nonce: list = []
+
+
+def job_nonce() -> np.int32:
+    """A number drawn once per job: process 0 draws it and every process
+    reads it. A started allreduce's handle carries it, so that a handle of
+    another job (a state restored from a checkpoint) is told apart from this
+    job's, whose call-site ids and sequence numbers restart alike."""
+    if not _nonce:
+        from jaxcomm.distributed.exchange import Exchange
+
+        value = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        exchange = Exchange.open("nonce", max(_extension.cpu_module().get_timeout(), 1.0))
+        if exchange is not None:
+            if exchange.process_id == 0:
+                exchange.publish("value", value)
+            else:
+                value = exchange.read("value")
+        _nonce.append(np.int32(value))
+    return _nonce[0]
 
 
 def coords(place: AxisPlacement):

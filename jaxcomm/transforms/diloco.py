@@ -51,7 +51,7 @@ class DiLoCoState(NamedTuple):
       stats: :class:`jaxcomm.CommStats` of the last step.
       pending: with ``delay > 0``, per fragment the averaged pseudo-gradient
         of its last sync (the same on every device), waiting to be applied, or,
-        where the exchange overlaps the steps between, the int32[2] handles of
+        where the exchange overlaps the steps between, the int32[3] handles of
         its allreduces in flight (per leaf, that of the allreduce carrying it;
         the same on every device);
         ``()`` without a delay.
@@ -512,11 +512,11 @@ def _no_landing(operands):
 def _pending(parts, delay: int, started: bool) -> tuple:
     """The initial pending values per fragment: the average's leaves, zeros
     replicated like the params (zeros_like keeps their placement), or, where
-    the exchange overlaps, an int32[2] handle per leaf (see :func:`_start`)."""
+    the exchange overlaps, an int32[3] handle per leaf (see :func:`_start`)."""
     if not delay:
         return ()
     if started:
-        return tuple([jnp.zeros(2, jnp.int32) for _ in part] for part in parts)
+        return tuple([jnp.zeros(3, jnp.int32) for _ in part] for part in parts)
     return tuple([jnp.zeros_like(x) for x in part] for part in parts)
 
 

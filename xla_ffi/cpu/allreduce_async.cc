@@ -7,10 +7,13 @@
 // exchange runs while XLA computes other steps: DiLoCo's delayed outer sync
 // sends its pseudo-gradient this way (docs/diloco.md, "Overlap").
 //
-// The handle is [op_id, sequence]. Every device starts a call site's
+// The handle is [nonce, op_id, sequence]. Every device starts a call site's
 // allreduces in the same order, so the handle is the same on every device of
 // a call (the result can be typed replicated); the operation waits under
-// (device, op_id, sequence) in this process.
+// (device, op_id, sequence) in this process. The nonce is drawn once per job
+// (Python passes it to both calls): a new job's call-site ids and sequence
+// numbers restart, so a handle restored from another job's state could
+// otherwise name one of this job's operations.
 #include "cpu/allreduce_async.h"
 
 #include <chrono>
@@ -117,7 +120,7 @@ const char kDone[] = "allreduce_done";
 ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
                      ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::Buffer<ffi::S32>> handle,
                      int64_t op_id, int32_t algorithm, int32_t nranks, int32_t intra_size,
-                     int32_t wire_dtype, double prescale, double postscale) {
+                     int32_t wire_dtype, double prescale, double postscale, int32_t nonce) {
   ReduceSpec spec;
   if (auto err = DecodeReduction(kStart, x, coords, wire_dtype, prescale, postscale, &spec);
       !err.success()) {
@@ -126,7 +129,7 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   if (!IsValidAlgorithm(algorithm)) {
     return Invalid(kStart, "unknown algorithm code " + std::to_string(algorithm));
   }
-  if (handle->element_count() != 2) return Invalid(kStart, "the handle must hold 2 int32");
+  if (handle->element_count() != 3) return Invalid(kStart, "the handle must hold 3 int32");
   if (op_id < 0 || op_id > INT32_MAX) return Invalid(kStart, "op_id must fit in int32");
   int64_t group;
   int32_t rank;
@@ -153,8 +156,9 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   op->out.resize(x.size_bytes());
   op->event = {device, op_id, 0, static_cast<int64_t>(x.size_bytes()), Now(), 0, 0, 0};
   op->event.sequence = InFlightTable::Get().Add(device, op_id, op);
-  handle->typed_data()[0] = static_cast<int32_t>(op_id);
-  handle->typed_data()[1] = static_cast<int32_t>(op->event.sequence);
+  handle->typed_data()[0] = nonce;
+  handle->typed_data()[1] = static_cast<int32_t>(op_id);
+  handle->typed_data()[2] = static_cast<int32_t>(op->event.sequence);
 
   const Algorithm algo = ScheduleOf(site);
   if (algo == Algorithm::kDirect) {
@@ -170,18 +174,21 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> y) {
-  if (handle.element_count() != 2) {
-    return CompletedFuture(Invalid(kDone, "the handle must hold 2 int32"));
+ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> y,
+                     int32_t nonce) {
+  if (handle.element_count() != 3) {
+    return CompletedFuture(Invalid(kDone, "the handle must hold 3 int32"));
   }
-  const int32_t op_id = handle.typed_data()[0], sequence = handle.typed_data()[1];
-  std::shared_ptr<InFlight> op = InFlightTable::Get().Take(device, op_id, sequence);
+  const int32_t* h = handle.typed_data();
+  std::shared_ptr<InFlight> op =
+      h[0] == nonce ? InFlightTable::Get().Take(device, h[1], h[2]) : nullptr;
   if (!op) {
     return CompletedFuture(Invalid(
         kDone, "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
-                   std::to_string(op_id) + ", " + std::to_string(sequence) +
-                   "]: each handle is finished once, in the process that started it. A state "
-                   "restored while a delayed sync was in flight holds a handle of a process "
+                   std::to_string(h[0]) + ", " + std::to_string(h[1]) + ", " +
+                   std::to_string(h[2]) + "] (this job's handles begin " + std::to_string(nonce) +
+                   "): each handle is finished once, in the job that started it. A state "
+                   "restored while a delayed sync was in flight holds a handle of a job "
                    "that is gone: save at a step with no sync in flight, or use "
                    "backend='xla', which keeps the average itself in the state"));
   }
@@ -218,19 +225,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // handle: [op_id, sequence]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // [nonce, op_id, sequence]
                                   .Attr<int64_t>("op_id")        // same on every device
                                   .Attr<int32_t>("algorithm")    // Algorithm code
                                   .Attr<int32_t>("nranks")       // ranks on the reduced axes
                                   .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
                                   .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
                                   .Attr<double>("prescale")      // before the wire cast
-                                  .Attr<double>("postscale"));   // after the reduction
+                                  .Attr<double>("postscale")     // after the reduction
+                                  .Attr<int32_t>("nonce"));      // this job's
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
-                                  .Ret<ffi::AnyBuffer>());       // y: the started x, reduced
+                                  .Ret<ffi::AnyBuffer>()         // y: the started x, reduced
+                                  .Attr<int32_t>("nonce"));      // this job's
 
 }  // namespace jaxcomm::cpu

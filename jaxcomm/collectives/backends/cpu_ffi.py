@@ -62,11 +62,12 @@ class CpuFfiBackend(FfiBackend):
             wire=wire,
             prescale=prescale,
             postscale=postscale,
+            nonce=_peers.job_nonce(),
         )
 
     def allreduce_done(self, bound, handle, like):
         del bound
-        return _ffi_calls.allreduce_done(handle, like.shape, like.dtype)
+        return _ffi_calls.allreduce_done(handle, like.shape, like.dtype, nonce=_peers.job_nonce())
 
     def allreduce_bucket(self, bound, parts, *, in_place, after):
         if len(parts) < 2:
