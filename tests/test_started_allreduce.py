@@ -25,12 +25,18 @@ def _programs(comm, mesh):
 
     def done(handle, x):
         like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-        return comm.bind().allreduce_done(handle, like)
+        result, found = comm.bind().allreduce_done(handle, like)
+        return result
+
+    def lookup(handle, x):  # found or not, no error
+        like = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return comm.bind().allreduce_done(handle, like, missing_ok=True)[1]
 
     rows = P("data")
     return (
         jax.jit(jax.shard_map(start, mesh=mesh, in_specs=rows, out_specs=P())),
         jax.jit(jax.shard_map(done, mesh=mesh, in_specs=(P(), rows), out_specs=P())),
+        jax.jit(jax.shard_map(lookup, mesh=mesh, in_specs=(P(), rows), out_specs=P())),
     )
 
 
@@ -41,7 +47,7 @@ def test_started_then_finished_is_the_mean(algorithm, wire):
 
     mesh = mesh_of((N,), ("data",))
     comm = reduction("data", op="mean", wire_dtype=wire, algorithm=algorithm, backend="ffi")
-    start, done = _programs(comm, mesh)
+    start, done, lookup = _programs(comm, mesh)
     a = np.random.default_rng(0).normal(size=(N, 1001)).astype(np.float32)
     x = jax.device_put(a, NamedSharding(mesh, P("data")))
     before = _ffi.in_flight()
@@ -55,16 +61,17 @@ def test_started_then_finished_is_the_mean(algorithm, wire):
     else:
         bound = reference.error_bound(a, "mean", np.dtype(jnp.bfloat16), np.float32)
         assert np.all(np.abs(got - want) <= bound)
-    # A handle is finished once.
+    # A handle is finished once: then it is an error, or with missing_ok not found.
     with pytest.raises(Exception, match="no allreduce in flight"):
         jax.block_until_ready(done(handle, x))
+    assert int(lookup(handle, x)) == 0
 
 
 def test_a_handle_of_another_job_is_refused_even_where_its_ids_match():
     """A new job's call-site ids and sequences restart: only the job's nonce
     tells a restored handle from one of this job's operations."""
     mesh = mesh_of((N,), ("data",))
-    start, done = _programs(reduction("data", op="mean", backend="ffi"), mesh)
+    start, done, _ = _programs(reduction("data", op="mean", backend="ffi"), mesh)
     x = jax.device_put(np.ones((N, 16), np.float32), NamedSharding(mesh, P("data")))
     handle = np.asarray(start(x))
     other = handle.copy()
@@ -79,7 +86,7 @@ def test_only_jaxcomms_cpu_transport_starts_one():
     comm = reduction("data", op="mean", backend="xla")
     assert not comm.starts_async
     assert reduction("data", op="mean", started=True).starts_async  # auto picks ffi
-    start, _ = _programs(comm, mesh)
+    start, _, _ = _programs(comm, mesh)
     x = jax.device_put(np.ones((N, 4), np.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match="backend='xla'"):
         start(x)

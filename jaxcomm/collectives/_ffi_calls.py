@@ -129,16 +129,19 @@ def allreduce_start(
     )
 
 
-def allreduce_done(handle, shape, dtype, *, nonce):
-    """The result of the allreduce that returned `handle`: `shape` and `dtype`
-    as the started input, typed as the handle is (replicated: where the input
-    varied over other axes too, the caller types the result back). A handle
-    without this job's `nonce` is refused."""
+def allreduce_done(handle, shape, dtype, *, nonce, missing_ok: bool = False):
+    """(the result of the allreduce that returned `handle`, int32 found): the
+    result of `shape` and `dtype` as the started input, typed as the handle
+    is (replicated: where the input varied over other axes too, the caller
+    types the result back). A handle this job (`nonce`) has not in flight is
+    an error, or with `missing_ok` found = 0 and the result unwritten."""
     _extension.require("cpu")
     call = jax.ffi.ffi_call(
-        "jaxcomm_allreduce_done", _result(handle, shape, (), dtype), has_side_effect=True
+        "jaxcomm_allreduce_done",
+        (_result(handle, shape, (), dtype), _result(handle, (), (), jnp.int32)),
+        has_side_effect=True,
     )
-    return call(handle, nonce=np.int32(nonce))
+    return call(handle, nonce=np.int32(nonce), missing_ok=bool(missing_ok))
 
 
 def reduce_scatter(x, coords, peers: dict, place: AxisPlacement, *, wire, prescale, postscale):

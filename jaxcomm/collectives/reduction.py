@@ -296,12 +296,16 @@ class BoundReduction(NamedTuple):
             )
         return self.backend.allreduce_start(self, flat)
 
-    def allreduce_done(self, handle, like):
-        """The result of :meth:`allreduce_start`'s reduction, of `like`'s
-        shape and dtype (the started array, or its ShapeDtypeStruct), typed
-        replicated over every axis as the handle is: where the started array
-        also varied over axes not reduced, type it back (``to_varying``)."""
-        return self.backend.allreduce_done(self, handle, like)
+    def allreduce_done(self, handle, like, *, missing_ok: bool = False):
+        """(result, found): the result of :meth:`allreduce_start`'s reduction,
+        of `like`'s shape and dtype (the started array, or its
+        ShapeDtypeStruct), typed replicated over every axis as the handle is
+        (where the started array also varied over axes not reduced, type it
+        back with ``to_varying``), and int32 1. A handle this job has not in
+        flight (finished already, or restored from another job's state) is an
+        error; with `missing_ok`, found is 0 and the result unwritten, for the
+        caller to reduce what it kept."""
+        return self.backend.allreduce_done(self, handle, like, missing_ok=missing_ok)
 
     def after(self, x, deps):
         """`x`, read only once every array in `deps` exists, where the

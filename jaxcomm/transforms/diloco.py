@@ -58,6 +58,10 @@ class DiLoCoState(NamedTuple):
       error: ``PerDevice`` error-feedback buffers, a list per fragment: of a
         sparse outer step (:func:`jaxcomm.sparseloco`), or what a narrow wire
         dropped (``error_feedback=True``); ``()`` otherwise.
+      kept: where the exchange overlaps the steps between, ``PerDevice``, a
+        list per fragment: what this device sent at the fragment's last sync,
+        reduced at the landing in place of a started exchange that this job
+        does not have (a state restored mid-delay); ``()`` otherwise.
     """
 
     local: _state.PerDevice
@@ -67,9 +71,10 @@ class DiLoCoState(NamedTuple):
     stats: _state.CommStats
     pending: tuple = ()
     error: _state.PerDevice = _state.PerDevice(())
+    kept: _state.PerDevice = _state.PerDevice(())
 
 
-_state.per_device_fields(DiLoCoState, "local", "inner", "error")
+_state.per_device_fields(DiLoCoState, "local", "inner", "error", "kept")
 
 
 def diloco(
@@ -232,6 +237,11 @@ def diloco(
             # Replicated like the params (zeros_like keeps their placement).
             pending=_pending(parts, delay, overlapped()),
             error=error,
+            kept=(
+                _state.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
+                if overlapped()
+                else _state.PerDevice(())
+            ),
         )
 
     def update(updates, state, params=None):
@@ -255,7 +265,8 @@ def diloco(
         started = overlapped()
         send = _start if started else _send
         land = _finish if started else _land
-        out, outer_states, new_errors, pending = [], [], [], []
+        kept = _state.local(state.kept) if started else (None,) * len(spans)
+        out, outer_states, new_errors, pending, new_kept = [], [], [], [], []
         sent, wire, elements, collectives = [], [], [], []
         rows = [None] * len(local)
         nonfinite = jnp.bool_(False)
@@ -283,20 +294,21 @@ def diloco(
                 # cond, not from the state: read by both conds, XLA copied
                 # it every step.
                 landed = applies(state.count, offset, sync_every, delay)
-                mean, error, bad = jax.lax.cond(
+                mean, error, kept_f, bad = jax.lax.cond(
                     due,
                     lambda ops: send(ops, bound, rule, theta),
                     _hold,
-                    (anchor[a:b], local[a:b], error, state.pending[f]),
+                    (anchor[a:b], local[a:b], error, state.pending[f], kept[f]),
                 )
                 packed, outer_state, bad_landing = jax.lax.cond(
                     landed,
                     lambda ops: land(ops, bound, rule),
                     _no_landing,
-                    (anchor[a:b], mean, outer_state),
+                    (anchor[a:b], mean, outer_state, kept_f),
                 )
                 bad = bad | bad_landing
                 pending.append(mean)
+                new_kept.append(kept_f)
             unpacked = _unpack(packed, anchor[a:b])
             u = [jnp.where(landed, x, jnp.zeros_like(x)) for x in unpacked]
             out += u
@@ -336,6 +348,7 @@ def diloco(
             stats=stats,
             pending=tuple(pending),
             error=_state.as_row(tuple(new_errors)) if state.error.value else state.error,
+            kept=_state.as_row(tuple(new_kept)) if started else state.kept,
         )
         return treedef.unflatten(out), new
 
@@ -454,9 +467,9 @@ def _skip(operands):
 
 def _send(operands, bound, rule, theta):
     """A delayed sync: the averaged pseudo-gradient, kept until it lands."""
-    anchor, local, error, _ = operands
+    anchor, local, error, _, kept = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
-    return list(mean), error, _state.any_nonfinite(mean)
+    return list(mean), error, kept, _state.any_nonfinite(mean)
 
 
 def _start(operands, bound, rule, theta):
@@ -464,24 +477,26 @@ def _start(operands, bound, rule, theta):
     average of params - local, one allreduce per :func:`_pack` group, and
     returns their handles (the average's finiteness is known at landing)."""
     del theta  # the dense rule's exchange, in one piece per group
-    anchor, local, error, _ = operands
+    anchor, local, error, _, _ = operands
     sent, error = rule.outgoing(anchor, local, error, bound)
     started = dict(zip(_groups(sent), map(bound.allreduce_start, _pack(sent)), strict=True))
     # One handle per leaf, its group's: the groups (dtype, axes varied over)
     # are known only here, inside shard_map, and init must shape the state.
-    return [started[_group(x)] for x in sent], error, jnp.bool_(False)
+    # What was sent is kept too (see _finish).
+    return [started[_group(x)] for x in sent], error, sent, jnp.bool_(False)
 
 
 def _hold(operands):
-    """No sync: the pending average (or handles) and the error buffers as they are."""
-    _, _, error, pending = operands
-    return list(pending), error, jnp.bool_(False)
+    """No sync: the pending average (or handles), the error buffers and what
+    was sent, as they are."""
+    _, _, error, pending, kept = operands
+    return list(pending), error, kept, jnp.bool_(False)
 
 
 def _land(operands, bound, rule):
     """A delayed outer step: the pending average, stepped from params."""
     del bound
-    anchor, pending, outer_state = operands
+    anchor, pending, outer_state, _ = operands
     u, outer_state = rule.step(pending, outer_state, anchor)
     return _pack(u), outer_state, jnp.bool_(False)
 
@@ -489,23 +504,32 @@ def _land(operands, bound, rule):
 def _finish(operands, bound, rule):
     """A delayed outer step whose exchange was started at the sync: waits for
     the average (done by now unless the link is slower than the steps
-    between) and steps from params."""
-    anchor, handles, outer_state = operands
+    between) and steps from params. Where this job did not start it (a state
+    restored between sync and landing), reduces what was sent, kept in the
+    state, with the same schedule: the same bits."""
+    anchor, handles, outer_state, sent = operands
     first = {}  # each group's handle: that of its first leaf
     for x, h in zip(anchor, handles, strict=True):
         first.setdefault(_group(x), h)
-    like = jax.eval_shape(_pack, anchor)
-    done = [
-        _varying(bound.allreduce_done(first[key], x), key[1])
-        for x, key in zip(like, _groups(anchor), strict=True)
-    ]
+    done = []
+    for flat, key in zip(_pack(sent), _groups(anchor), strict=True):
+        result, found = bound.allreduce_done(first[key], flat, missing_ok=True)
+        done.append(
+            jax.lax.cond(
+                found > 0,
+                lambda r, _: r,
+                lambda _, v: bound.allreduce(v),
+                _varying(result, key[1]),
+                flat,
+            )
+        )
     mean = _unpack(done, anchor)
     u, outer_state = rule.step(mean, outer_state, anchor)
     return _pack(u), outer_state, _state.any_nonfinite(mean)
 
 
 def _no_landing(operands):
-    anchor, _, outer_state = operands
+    anchor, _, outer_state, _ = operands
     return _unwritten(anchor), outer_state, jnp.bool_(False)
 
 

@@ -3,7 +3,9 @@
 // jaxcomm_allreduce_start copies its input, starts the reduction on a jaxcomm
 // worker thread (or leaves it at the direct rendezvous) and returns at once
 // with a handle; jaxcomm_allreduce_done, given that handle in a later
-// execution, waits for the result and copies it out. In between, the
+// execution, waits for the result and copies it out. A handle this job never
+// started (a restored state's) is an error, or, with `missing_ok`, reported
+// as not found: the caller then reduces the input it kept itself. In between, the
 // exchange runs while XLA computes other steps: DiLoCo's delayed outer sync
 // sends its pseudo-gradient this way (docs/diloco.md, "Overlap").
 //
@@ -175,22 +177,25 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 }
 
 ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> y,
-                     int32_t nonce) {
-  if (handle.element_count() != 3) {
-    return CompletedFuture(Invalid(kDone, "the handle must hold 3 int32"));
+                     ffi::Result<ffi::Buffer<ffi::S32>> found, int32_t nonce, bool missing_ok) {
+  if (handle.element_count() != 3 || found->element_count() != 1) {
+    return CompletedFuture(Invalid(kDone, "the handle must hold 3 int32, `found` one"));
   }
   const int32_t* h = handle.typed_data();
   std::shared_ptr<InFlight> op =
       h[0] == nonce ? InFlightTable::Get().Take(device, h[1], h[2]) : nullptr;
+  found->typed_data()[0] = op != nullptr;
+  if (!op && missing_ok) {  // the caller reduces what it kept instead; y is not read
+    return CompletedFuture(ffi::Error::Success());
+  }
   if (!op) {
     return CompletedFuture(Invalid(
         kDone, "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
                    std::to_string(h[0]) + ", " + std::to_string(h[1]) + ", " +
                    std::to_string(h[2]) + "] (this job's handles begin " + std::to_string(nonce) +
-                   "): each handle is finished once, in the job that started it. A state "
-                   "restored while a delayed sync was in flight holds a handle of a job "
-                   "that is gone: save at a step with no sync in flight, or use "
-                   "backend='xla', which keeps the average itself in the state"));
+                   "): each handle is finished once, in the job that started it (a handle restored "
+                   "from another job's state is not this job's: with missing_ok the call "
+                   "reports it, and the caller reduces what it kept)"));
   }
   if (op->out.size() != y->size_bytes()) {
     return CompletedFuture(Invalid(kDone, "the result must have the started input's size"));
@@ -240,6 +245,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
                                   .Ret<ffi::AnyBuffer>()         // y: the started x, reduced
-                                  .Attr<int32_t>("nonce"));      // this job's
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // found: 1, or 0 (y unwritten)
+                                  .Attr<int32_t>("nonce")        // this job's
+                                  .Attr<bool>("missing_ok"));    // else a missing one is an error
 
 }  // namespace jaxcomm::cpu

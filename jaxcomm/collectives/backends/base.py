@@ -96,9 +96,11 @@ class Backend:
         :meth:`allreduce_done`. Not differentiable."""
         raise NotImplementedError(f"backend {self.name!r} cannot start an allreduce")
 
-    def allreduce_done(self, bound, handle, like):
-        """The result of the started allreduce, shaped and of the dtype of
-        `like`, typed replicated over every axis (as the handle is)."""
+    def allreduce_done(self, bound, handle, like, *, missing_ok=False):
+        """(result, found) of the started allreduce: the result shaped and of
+        the dtype of `like`, typed replicated over every axis (as the handle
+        is); a handle not in flight is an error, or with `missing_ok` found is
+        0 and the result unwritten."""
         raise NotImplementedError(f"backend {self.name!r} cannot start an allreduce")
 
     def allreduce_bucket(self, bound, parts, *, in_place: bool, after):

@@ -65,9 +65,11 @@ class CpuFfiBackend(FfiBackend):
             nonce=_peers.job_nonce(),
         )
 
-    def allreduce_done(self, bound, handle, like):
+    def allreduce_done(self, bound, handle, like, *, missing_ok=False):
         del bound
-        return _ffi_calls.allreduce_done(handle, like.shape, like.dtype, nonce=_peers.job_nonce())
+        return _ffi_calls.allreduce_done(
+            handle, like.shape, like.dtype, nonce=_peers.job_nonce(), missing_ok=missing_ok
+        )
 
     def allreduce_bucket(self, bound, parts, *, in_place, after):
         if len(parts) < 2:
