@@ -688,18 +688,22 @@ def _array_copies(lines) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(("fragments", "delay", "mixing"), [(1, 0, 0.0), (2, 0, 0.0), (2, 2, 0.5)])
-def test_a_step_that_does_not_sync_copies_nothing(fragments, delay, mixing):
+@pytest.mark.parametrize(
+    ("fragments", "delay", "mixing", "backend"),
+    [(1, 0, 0.0, "xla"), (2, 0, 0.0, "xla"), (2, 2, 0.5, "xla"), (2, 2, 0.5, "auto")],
+)
+def test_a_step_that_does_not_sync_copies_nothing(fragments, delay, mixing, backend):
     """With params and state donated, a step with nothing due copies no array:
     its update is no copy of zeros, and the outer state, the local params and
-    the pending averages go through their conds in place."""
+    the pending averages (or handles, and what was sent) go through their
+    conds in place."""
     mesh = _mesh()
     params = {k: jnp.ones((16, 8)) for k in "abcd"}  # alike: XLA would merge their zeros
     tx = _diloco(
         optax.adam(INNER_LR),
         sync_every=6,
         fragments=fragments,
-        backend="xla",
+        backend=backend,
         delay=delay,
         mixing=mixing,
     )
