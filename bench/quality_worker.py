@@ -56,19 +56,43 @@ CONFIGS = {
     "diloco_h10": "diloco, sync every 10 steps",
     "diloco_h50": "diloco, sync every 50 steps",
     "streaming_diloco_h50_f5": "streaming diloco, sync every 50 steps in 5 fragments",
+    "sparseloco_h50": "sparseloco, sync every 50 steps, 2% of each chunk at 2 bits",
+    "local": "no communication at all: diloco's step with no sync in the run (compute only)",
 }
-# Variants of the PowerSGD and DiLoCo configurations, named by their options
-# (e.g. powersgd_r4_warm50, diloco_h50_olr1.0_om0.8): parse_config reads them.
+# Variants of the PowerSGD, DiLoCo and SparseLoCo configurations, named by
+# their options (e.g. powersgd_r4_warm50, diloco_h50_olr1.0_om0.8,
+# diloco_h50_d5_a0.5_wint4, sparseloco_h50_k3_b4): parse_config reads them.
+# _d: delay (tau), _a: mixing (alpha), _w: the pseudo-gradient's wire
+# (WIRES), _ffi: jaxcomm's own transport (TCP across processes) instead of
+# XLA's collectives; _k: the density in percent, _b: the value bits.
 VARIANTS = (
     "powersgd_r{rank}[_noef][_warm{dense steps first}][_denseemb]",
-    "[streaming_]diloco_h{sync every}[_f{fragments}][_olr{outer lr}][_om{outer momentum}]",
+    "[streaming_]diloco_h{sync every}[_f{fragments}][_olr{outer lr}][_om{outer momentum}]"
+    "[_d{delay}][_a{mixing}][_w{wire}][_ffi]",
+    "sparseloco_h{sync every}[_k{density percent}][_b{value bits}][_d{delay}][_a{mixing}][_ffi]",
 )
+# The wire names of _w{wire}: what jaxcomm.diloco's wire_dtype gets.
+WIRES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "float8_e4m3fn",
+    "fp8e5": "float8_e5m2",
+    "int8": "int8",
+    "int4": "int4",
+}
+_NUMBER = r"\d+(?:\.\d+)?"
+_OVERLAP = rf"(?:_d(?P<delay>\d+))?(?:_a(?P<mixing>{_NUMBER}))?"
 POWERSGD = re.compile(
     r"powersgd_r(?P<rank>\d+)(?P<noef>_noef)?(?:_warm(?P<warm>\d+))?(?P<denseemb>_denseemb)?"
 )
 DILOCO = re.compile(
     r"(?:streaming_)?diloco_h(?P<sync_every>\d+)(?:_f(?P<fragments>\d+))?"
-    r"(?:_olr(?P<outer_lr>\d+(?:\.\d+)?))?(?:_om(?P<outer_momentum>\d+(?:\.\d+)?))?"
+    rf"(?:_olr(?P<outer_lr>{_NUMBER}))?(?:_om(?P<outer_momentum>{_NUMBER}))?{_OVERLAP}"
+    rf"(?:_w(?P<wire>{'|'.join(WIRES)}))?(?P<ffi>_ffi)?"
+)
+SPARSELOCO = re.compile(
+    rf"sparseloco_h(?P<sync_every>\d+)(?:_k(?P<density>{_NUMBER}))?(?:_b(?P<value_bits>\d+))?"
+    rf"{_OVERLAP}(?P<ffi>_ffi)?"
 )
 
 
@@ -136,12 +160,35 @@ class DiLoCoConfig(NamedTuple):
     # The paper's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9.
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    delay: int = 0  # tau: steps between a sync and its outer update
+    mixing: float = 0.0  # alpha: share of the local params kept at the update
+    wire: str | None = None  # a WIRES value; None: float32
+    backend: str = "xla"  # "ffi": jaxcomm's own transport
+
+
+class SparseLoCoConfig(NamedTuple):
+    sync_every: int
+    density: float = 0.02  # fraction of each chunk sent
+    value_bits: int = 2
+    delay: int = 0
+    mixing: float = 0.0
+    backend: str = "xla"
 
 
 def parse_config(name: str):
-    """The name itself for a configuration of ``CONFIGS`` other than PowerSGD
-    and DiLoCo; their options (``PowerSGDConfig``, ``DiLoCoConfig``) for those
-    and their variants (``VARIANTS``). Raises ValueError for anything else."""
+    """The name itself for a configuration of ``CONFIGS`` other than PowerSGD,
+    DiLoCo and SparseLoCo; their options (``PowerSGDConfig``,
+    ``DiLoCoConfig``, ``SparseLoCoConfig``) for those and their variants
+    (``VARIANTS``). Raises ValueError for anything else.
+
+    Examples:
+      >>> options = parse_config("diloco_h50_d5_a0.5_wint4")
+      >>> options.sync_every, options.delay, options.mixing, options.wire, options.backend
+      (50, 5, 0.5, 'int4', 'xla')
+      >>> options = parse_config("sparseloco_h50_k3_ffi")
+      >>> options.density, options.value_bits, options.backend
+      (0.03, 2, 'ffi')
+    """
     if match := POWERSGD.fullmatch(name):
         return PowerSGDConfig(
             rank=int(match["rank"]),
@@ -154,7 +201,19 @@ def parse_config(name: str):
         return DiLoCoConfig(
             sync_every=int(found.pop("sync_every")),
             fragments=int(found.pop("fragments", 1)),
+            delay=int(found.pop("delay", 0)),
+            wire=WIRES[found.pop("wire")] if "wire" in found else None,
+            backend="ffi" if found.pop("ffi", None) else "xla",
             **{k: float(v) for k, v in found.items()},
+        )
+    if match := SPARSELOCO.fullmatch(name):
+        return SparseLoCoConfig(
+            sync_every=int(match["sync_every"]),
+            density=float(match["density"]) / 100 if match["density"] else 0.02,
+            value_bits=int(match["value_bits"] or 2),
+            delay=int(match["delay"] or 0),
+            mixing=float(match["mixing"] or 0.0),
+            backend="ffi" if match["ffi"] else "xla",
         )
     if name in CONFIGS:
         return name
@@ -180,10 +239,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--config",
         type=config_name,
         default="dense",
-        help=f"{', '.join(CONFIGS)}; or a variant {' or '.join(VARIANTS)}",
+        help=f"{', '.join(CONFIGS)}; or a variant {' or '.join(VARIANTS)}; "
+        f"wires: {', '.join(f'{k} ({v})' for k, v in WIRES.items())}",
     )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--stop-at-quality",
+        type=float,
+        help="stop after the first evaluation at or past this quality (at or below it "
+        "for a loss, at or above for an accuracy); --steps is then the most it runs",
+    )
     parser.add_argument("--batch-per-device", type=int, default=16)
     parser.add_argument("--width", type=int, default=192, help="lm: model width; digits: hidden")
     parser.add_argument("--layers", type=int, default=3, help="lm: transformer blocks")
@@ -357,7 +423,7 @@ def make_optimizer(config: str, base, steps: int):
 
     import jaxcomm
 
-    # ffi runs in one process only; xla is the cross-process backend.
+    # xla (gloo across processes) unless a variant asks for ffi.
     if config in ("dense", "bf16", "bf16_ef"):
         wire = None if config == "dense" else jnp.bfloat16
         reduce = jaxcomm.allreduce_gradients(
@@ -389,8 +455,28 @@ def make_optimizer(config: str, base, steps: int):
             AXIS,
             sync_every=options.sync_every,
             fragments=options.fragments,
-            backend="xla",
+            delay=options.delay,
+            mixing=options.mixing,
+            wire_dtype=options.wire,
+            backend=options.backend,
         ), True
+    if isinstance(options, SparseLoCoConfig):
+        return jaxcomm.sparseloco(
+            base,
+            AXIS,
+            sync_every=options.sync_every,
+            density=options.density,
+            value_bits=options.value_bits,
+            delay=options.delay,
+            mixing=options.mixing,
+            backend=options.backend,
+        ), True
+    if config == "local":
+        # The compute-only reference: DiLoCo's step with its sync after the
+        # last step, so that no step of the run communicates (the global
+        # params, which the evaluations read, stay the initial ones).
+        outer = optax.sgd(1.0)
+        return jaxcomm.diloco(base, outer, AXIS, sync_every=steps + 1, backend="xla"), True
     raise ValueError(f"unknown configuration {config!r}")
 
 
@@ -430,6 +516,7 @@ def run(args):
         "model": args.model,
         "config": args.config,
         "steps": args.steps,
+        "stop_at_quality": args.stop_at_quality,
         "schedule": args.schedule,
         "hosts": jax.process_count(),
         "devices": n,
@@ -521,8 +608,15 @@ def run(args):
         )
         return quality
 
+    def good_enough(quality):
+        if args.stop_at_quality is None:
+            return False
+        if task.higher_is_better:
+            return quality >= args.stop_at_quality
+        return quality <= args.stop_at_quality
+
     report(0)
-    quality = math.nan
+    quality, t = math.nan, 0
     for t in range(1, args.steps + 1):
         began = time.perf_counter()
         batch = next_batch(t)
@@ -538,10 +632,14 @@ def run(args):
             before_sync.record(t, opt_state)
         if t % args.eval_every == 0 or t == args.steps:
             quality = report(t)
+            if good_enough(quality):
+                break
     emit(
         {
             **row,
             "summary": True,
+            "steps_run": t,
+            "stopped_early": t < args.steps,
             "wall_s": wall,
             "quality": quality,
             "step_s": statistics.median(step_times),
@@ -580,7 +678,9 @@ def local_evaluation(args, task, mesh, specs, place):
     if not args.eval_local:
         return None
     options = parse_config(args.config)
-    if options.fragments != 1:
+    if not isinstance(options, DiLoCoConfig | SparseLoCoConfig):
+        raise ValueError(f"--eval-local: {args.config} has no syncs")
+    if getattr(options, "fragments", 1) != 1:
         raise ValueError("--eval-local: streaming DiLoCo syncs a fragment at a time")
 
     def evaluate_fn(opt_state, *held_out):

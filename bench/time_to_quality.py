@@ -15,11 +15,20 @@ steps, measuring validation quality every ``--eval-every`` steps. Then:
 - a PNG (``--png``): quality against wall time, one line per configuration,
   one panel per rate.
 
+Runs of different lengths: ``--max-steps`` for every configuration but
+dense, ``name:N`` in ``--configs`` for one, ``--stop-at-quality`` (a number,
+or ``dense``) to stop the others once they reach it. ``--project-from
+run.json`` stands in for a dense run only a few steps long at this rate: the
+longest dense curve of ``run.json`` at this rate's measured wall time per
+step, marked projected in the table, the JSON and the plot.
+
 Usage::
 
     python bench/time_to_quality.py --rate 100mbit --json ttq.json --png ttq.png
     python bench/time_to_quality.py --model digits --configs dense,powersgd_r4 --rate 1gbit
     python bench/time_to_quality.py --from-json a.json,b.json --png ttq.png   # table, plot again
+    python bench/time_to_quality.py --rate 10mbit --steps 20 --max-steps 400 \
+        --stop-at-quality 2.2977 --project-from ttq.json --configs dense,diloco_h50
 
 Needs root (namespaces), as ``bench/network.py`` does; says so and exits 2.
 """
@@ -53,11 +62,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=ALL_CONFIGS,
-        help=f"default {ALL_CONFIGS}; variants: {', '.join(quality_worker.VARIANTS)}",
+        help=f"default {ALL_CONFIGS}; variants: {', '.join(quality_worker.VARIANTS)}; "
+        "name:N runs that one for N steps (e.g. dense:20,local:100)",
     )
     parser.add_argument("--rate", default="100mbit", help="link rate(s), comma-separated")
     parser.add_argument("--hosts", type=int, default=4, help="processes, one per namespace")
-    parser.add_argument("--steps", type=int, default=200, help="steps of every configuration")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="steps of dense (and of every other configuration "
+        "unless --max-steps)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        help="steps of every configuration but dense (the most they run with --stop-at-quality)",
+    )
+    parser.add_argument(
+        "--stop-at-quality",
+        help="every configuration but dense stops after its first evaluation at or past this "
+        "quality: a number, or 'dense' for this rate's dense final quality in this run "
+        "(dense must come first in --configs)",
+    )
+    parser.add_argument(
+        "--project-from",
+        help="a JSON file of a run whose dense went its whole course (another rate): where "
+        "this run's dense is shorter, dense's curve is projected as that run's losses at "
+        "this run's dense wall time per step, and is the target; marked 'projected'",
+    )
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--batch-per-device", type=int, default=16)
     parser.add_argument("--width", type=int, default=192, help="lm: width; digits: hidden width")
@@ -79,16 +109,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the rows here (default: a temporary file)")
     parser.add_argument("--png", help="write the plot here")
     parser.add_argument(
+        "--log-time", action="store_true", help="plot: wall time on a logarithmic axis"
+    )
+    parser.add_argument(
         "--from-json", help="no run: table and plot from these JSON files (comma-separated)"
     )
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for the whole run")
     args = parser.parse_args(argv)
-    args.config_list = [c for c in args.configs.split(",") if c]
-    for config in args.config_list:
+    args.config_list, args.config_steps = [], {}
+    for item in filter(None, args.configs.split(",")):
+        config, _, steps = item.partition(":")
         try:
             quality_worker.parse_config(config)
+            if steps:
+                args.config_steps[config] = int(steps)
         except ValueError as e:
             parser.error(f"--configs: {e}")
+        args.config_list.append(config)
+    if args.stop_at_quality not in (None, BASELINE):
+        try:
+            float(args.stop_at_quality)
+        except ValueError:
+            parser.error(f"--stop-at-quality {args.stop_at_quality}: a number or {BASELINE!r}")
     try:
         args.rates = [netbed.parse_rate(r) for r in args.rate.split(",") if r.strip()]
     except ValueError as e:
@@ -103,14 +145,41 @@ def say(message: str):
     print(f"time_to_quality: {message}", file=sys.stderr, flush=True)
 
 
-def worker_argv(args, config: str) -> list[str]:
+def config_steps(args, config: str) -> int:
+    """The steps ``config`` runs: its own (name:N), else --steps for dense and
+    --max-steps (if given) for the others."""
+    if config in args.config_steps:
+        return args.config_steps[config]
+    if config == BASELINE or args.max_steps is None:
+        return args.steps
+    return args.max_steps
+
+
+def worker_argv(args, config: str, stop_at: float | None = None) -> list[str]:
     argv = [sys.executable, WORKER, "--model", args.model, "--config", config]
-    flags = ("steps", "eval_every", "batch_per_device", "width", "layers", "seed", "lr", "schedule")
+    argv += ["--steps", str(config_steps(args, config))]
+    flags = ("eval_every", "batch_per_device", "width", "layers", "seed", "lr", "schedule")
     for flag in flags:
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if stop_at is not None and config != BASELINE:
+        argv += ["--stop-at-quality", repr(stop_at)]
     return argv
+
+
+def stop_quality(args, rows: list[dict], rate: float) -> float | None:
+    """What --stop-at-quality asks for at ``rate``, given the rows so far."""
+    if args.stop_at_quality is None:
+        return None
+    if args.stop_at_quality != BASELINE:
+        return float(args.stop_at_quality)
+    finals = [
+        r["quality"]
+        for r in rows
+        if r.get("summary") and r["config"] == BASELINE and r["rate_bps"] == rate
+    ]
+    return finals[-1] if finals else None
 
 
 def run_inside(args) -> int:
@@ -139,7 +208,7 @@ def run_inside(args) -> int:
                     say(f"{netbed.format_rate(rate)} {config}: starting")
                     result = netbed.run_hosts(
                         bed,
-                        worker_argv(args, config),
+                        worker_argv(args, config, stop_quality(args, rows, rate)),
                         lambda host: network.worker_env(args, bed, host),
                         deadline=deadline,
                         on_line=on_line,
@@ -172,16 +241,33 @@ def run_name(config: str, steps: int | None, baseline_steps: int | None) -> str:
     return f"{config}, {steps} steps"
 
 
+PROJECTED = f"{BASELINE} (projected)"
+
+
+def baselines(rows: list[dict]) -> dict:
+    """{rate: (run name, steps)} of the run each rate's table is timed against:
+    a projected dense where there is one, else dense."""
+    out: dict = {}
+    for r in rows:
+        if r.get("summary") and r.get("config") == BASELINE and "error" not in r:
+            if r.get("projected"):
+                out[r["rate_bps"]] = (PROJECTED, r["steps"])
+            elif out.get(r["rate_bps"], ("",))[0] != PROJECTED:
+                out[r["rate_bps"]] = (BASELINE, r["steps"])
+    return out
+
+
 def curves(rows: list[dict]) -> dict:
     """{(rate, run name): (evaluation rows by step, summary row or None)}."""
-    baseline_steps = {
-        r["rate_bps"]: r["steps"] for r in rows if r.get("summary") and r["config"] == BASELINE
-    }
+    base = baselines(rows)
     out: dict = {}
     for r in rows:
         if r.get("config") == "link" or "error" in r:
             continue
-        name = run_name(r["config"], r.get("steps"), baseline_steps.get(r["rate_bps"]))
+        if r.get("projected"):
+            name = PROJECTED
+        else:
+            name = run_name(r["config"], r.get("steps"), base.get(r["rate_bps"], (0, None))[1])
         key = (r["rate_bps"], name)
         points, summary = out.get(key, ([], None))
         if r.get("summary"):
@@ -192,6 +278,96 @@ def curves(rows: list[dict]) -> dict:
     for points, _ in out.values():
         points.sort(key=lambda r: r["step"])
     return out
+
+
+def project_dense(rows: list[dict], reference: list[dict], source: str = "") -> list[dict]:
+    """Rows of a projected dense run for each rate whose dense ran fewer steps
+    than the longest dense run of ``reference`` (another rate): the
+    reference's evaluations (the runs are deterministic: the same losses at
+    every rate), each at its step times this rate's dense wall time per step.
+    Every row says ``"projected": True`` and where it came from; a rate
+    that has a projection already gets none."""
+    done = {r["rate_bps"] for r in rows if r.get("projected")}
+    dense = [
+        r for r in reference if r.get("config") == BASELINE and "error" not in r
+        and not r.get("projected")
+    ]  # fmt: skip
+    finals = [r for r in dense if r.get("summary")]
+    if not finals:
+        return []
+    ref = max(finals, key=lambda r: r.get("steps_run", r["steps"]))
+    ref_steps = ref.get("steps_run", ref["steps"])
+    ref_points = sorted(
+        (
+            r for r in dense if not r.get("summary") and r["rate_bps"] == ref["rate_bps"]
+            and r["steps"] == ref["steps"]
+        ),
+        key=lambda r: r["step"],
+    )  # fmt: skip
+    out = []
+    for short in rows:
+        if not (short.get("summary") and short.get("config") == BASELINE) or "error" in short:
+            continue
+        ran = short.get("steps_run", short["steps"])
+        if short.get("projected") or short["rate_bps"] in done or ran >= ref_steps:
+            continue
+        per_step = short["wall_s"] / ran
+        common = {
+            "rate_bps": short["rate_bps"],
+            "model": short["model"],
+            "config": BASELINE,
+            "projected": True,
+            "steps": ref_steps,
+            "params": short["params"],
+            "quality_name": short["quality_name"],
+            "higher_is_better": short["higher_is_better"],
+            "projected_from": {
+                "file": source,
+                "rate_bps": ref["rate_bps"],
+                "steps": ref_steps,
+                "measured_steps": ran,
+                "wall_s_per_step": per_step,
+            },
+        }
+        out += [
+            {**common, "step": p["step"], "wall_s": p["step"] * per_step, "quality": p["quality"]}
+            for p in ref_points
+        ]
+        out.append(
+            {
+                **common,
+                "summary": True,
+                "steps_run": ref_steps,
+                "wall_s": ref_steps * per_step,
+                "quality": ref["quality"],
+                "step_s": short["step_s"],
+                "mean_step_s": short.get("mean_step_s"),
+                "bytes_per_step": short["bytes_per_step"],
+                "compile_s": short["compile_s"],
+            }
+        )
+        done.add(short["rate_bps"])
+    return out
+
+
+def plain_diloco(config: str) -> str | None:
+    """The plain DiLoCo run a DiLoCo or SparseLoCo variant is set against:
+    diloco_h{H} with its H; None for the other configurations."""
+    options = quality_worker.parse_config(config)
+    if isinstance(options, quality_worker.DiLoCoConfig | quality_worker.SparseLoCoConfig):
+        return f"diloco_h{options.sync_every}"
+    return None
+
+
+def at_equal_steps(points: list[dict], other: list[dict]) -> tuple[float, int] | None:
+    """(quality of ``points`` over ``other``'s - 1, step) at the last step both evaluated."""
+    mine = {r["step"]: r["quality"] for r in points}
+    theirs = {r["step"]: r["quality"] for r in other}
+    common = [t for t in mine if t in theirs and t > 0]
+    if not common:
+        return None
+    step = max(common)
+    return mine[step] / theirs[step] - 1, step
 
 
 def reached(quality: float, target: float, higher_is_better: bool) -> bool:
@@ -215,20 +391,25 @@ def target_quality(final: float, higher_is_better: bool, tolerance: float) -> fl
 def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
     """One row per (rate, configuration) with what the table shows."""
     runs = curves(rows)
+    base_names = baselines(rows)
     table = []
     for (rate, config), (points, summary) in runs.items():
         if summary is None:
             continue
         higher = summary["higher_is_better"]
-        base = runs.get((rate, BASELINE))
+        base = runs.get((rate, base_names.get(rate, (BASELINE,))[0]))
         entry = {
             "rate_bps": rate,
             "config": config,
+            "projected": bool(summary.get("projected")),
             "model": summary["model"],
             "params": summary["params"],
             "quality_name": summary["quality_name"],
             "bytes_per_step": summary["bytes_per_step"],
             "step_s": summary["step_s"],
+            "mean_step_s": summary.get("mean_step_s"),
+            "steps_run": summary.get("steps_run", summary.get("steps")),
+            "stopped_early": bool(summary.get("stopped_early")),
             "compile_s": summary["compile_s"],
             "wall_s": summary["wall_s"],
             "final_quality": summary["quality"],
@@ -237,8 +418,21 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
             "speedup": None,
             "dense_to_final_s": None,
             "speedup_at_final": None,
+            "vs_plain_diloco": None,
+            "vs_plain_diloco_step": None,
         }
-        if base is not None and base[1] is not None:
+        reference = plain_diloco(summary["config"]) if not entry["projected"] else None
+        if reference is not None:
+            others = [
+                p for (r, _), (p, s) in runs.items()
+                if r == rate and s is not None and s["config"] == reference
+            ]  # fmt: skip
+            if others:
+                compared = at_equal_steps(points, max(others, key=len))
+                if compared is not None:
+                    entry["vs_plain_diloco"], entry["vs_plain_diloco_step"] = compared
+        # local never moves the params it is evaluated at: only its steps count.
+        if base is not None and base[1] is not None and summary["config"] != "local":
             final = base[1]["quality"]
             target = target_quality(final, higher, tolerance)
             entry["target"] = target
@@ -260,6 +454,7 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
 def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) -> str:
     lines = []
     links = {r["rate_bps"]: r["measured_bps"] for r in rows if r.get("config") == "link"}
+    projected = {r["rate_bps"]: r["projected_from"] for r in rows if r.get("projected")}
     for rate in sorted({s["rate_bps"] for s in summary}):
         entries = [s for s in summary if s["rate_bps"] == rate]
         first = entries[0]
@@ -271,38 +466,66 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
             + (f" within {100 * tolerance:g}%" if tolerance else "")
             + (f": {first['target']:.4f}" if first["target"] is not None else "")
         )
+        if rate in projected:
+            source = projected[rate]
+            lines.append(
+                f"PROJECTED: '{PROJECTED}' is {BASELINE}'s {source['steps']} steps at "
+                f"{netbed.format_rate(source['rate_bps'])} ({source['file'] or 'reference'}) "
+                f"at this rate's measured {source['wall_s_per_step']:.3f} s of wall time a "
+                f"step ({source['measured_steps']} steps run here); its times and every "
+                "speed-up against it are projections"
+            )
         width = max(25, *(len(s["config"]) + 2 for s in entries))  # long variant names
         head = (
-            f"{'config':<{width}}{'bytes/step':>12}{'step s':>9}{'final':>9}{'vs dense':>9}"
-            f"{'wall s':>9}{'to target s':>13}{'speed-up':>10}{'dense there s':>15}"
-            f"{'speed-up there':>16}"
+            f"{'config':<{width}}{'bytes/step':>12}{'step s':>9}{'mean s':>9}{'steps':>7}"
+            f"{'final':>9}{'vs dense':>9}{'vs diloco':>15}{'wall s':>9}{'to target s':>13}"
+            f"{'speed-up':>10}{'dense there s':>15}{'speed-up there':>16}"
         )
         lines += [head, "-" * len(head)]
         for s in entries:
             vs, to, up = s.get("quality_vs_dense"), s["time_to_target_s"], s["speedup"]
             there, up_there = s["dense_to_final_s"], s["speedup_at_final"]
-            lines.append(
-                f"{s['config']:<{width}}{s['bytes_per_step']:>12,.0f}{s['step_s']:>9.3f}"
-                f"{s['final_quality']:>9.4f}"
-                f"{'' if vs is None else f'{100 * vs:+.1f}%':>9}"
-                f"{s['wall_s']:>9.1f}"
-                f"{'not reached' if to is None else f'{to:.1f}':>13}"
-                f"{'' if up is None else f'{up:.2f}x':>10}"
-                f"{'-' if there is None else f'{there:.1f}':>15}"
-                f"{'-' if up_there is None else f'{up_there:.2f}x':>16}"
-            )
+            mean, vd = s["mean_step_s"], s["vs_plain_diloco"]
+            own = "p" if s["projected"] else ""  # this run's own times are projected
+            against = "p" if rate in projected else ""  # times against a projected dense
+            steps = f"{s['steps_run']}{'*' if s['stopped_early'] else ''}"
+            at = s["vs_plain_diloco_step"]
+            cells = [
+                f"{s['config']:<{width}}",
+                f"{s['bytes_per_step']:>12,.0f}",
+                f"{s['step_s']:>9.3f}",
+                f"{'-' if mean is None else f'{mean:.3f}':>9}",
+                f"{steps:>7}",
+                f"{s['final_quality']:>9.4f}",
+                f"{'-' if vs is None else f'{100 * vs:+.1f}%':>9}",
+                f"{'-' if vd is None else f'{100 * vd:+.1f}%@{at}':>15}",
+                f"{s['wall_s']:.1f}{own}".rjust(9),
+                (
+                    "-"
+                    if s["target"] is None
+                    else "not reached"
+                    if to is None
+                    else f"{to:.1f}{own}"
+                ).rjust(13),
+                ("-" if up is None else f"{up:.2f}x{against}").rjust(10),
+                ("-" if there is None else f"{there:.1f}{against}").rjust(15),
+                ("-" if up_there is None else f"{up_there:.2f}x{against}").rjust(16),
+            ]
+            lines.append("".join(cells))
     lines.append(
         "bytes/step: sent per device per step (jaxcomm.get_stats, mean over steps); step s: "
-        "median; wall s: training time of all steps (no compile, no evaluation); to target: "
-        "wall time of the first evaluation reaching dense's final quality; speed-up: "
-        "dense's time to it / this one's; dense there: dense's wall time to this run's final "
-        "quality (first evaluation), '-' if never; speed-up there: that / this run's own time "
-        "to it."
+        "median; mean s: mean step; steps: steps run (* stopped at its first evaluation "
+        "reaching --stop-at-quality); vs diloco: quality against plain diloco_h{H}'s at "
+        "the last step both evaluated (@step); wall s: training time of all steps (no "
+        "compile, no evaluation); to target: wall time of the first evaluation reaching "
+        "dense's final quality; speed-up: dense's time to it / this one's; dense there: "
+        "dense's wall time to this run's final quality (first evaluation), '-' if never; "
+        "speed-up there: that / this run's own time to it; p: projected."
     )
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str):
+def plot(rows: list[dict], path: str, log_time: bool = False):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,24 +535,35 @@ def plot(rows: list[dict], path: str):
     rates = sorted({rate for rate, _ in runs})
     configs = list(dict.fromkeys(config for _, config in runs))
 
-    # One colour per method; its error-feedback variant dashed, a longer run dash-dotted.
+    # One colour per method; its error-feedback variant dashed, a longer run
+    # dash-dotted; dense black, a projected dense dashed.
     def family(name):
-        return name.split(",")[0].replace("_noef", "").replace("_ef", "")
+        return name.split(",")[0].split(" ")[0].replace("_noef", "").replace("_ef", "")
 
     families = [f for f in dict.fromkeys(family(c) for c in configs) if f != BASELINE]
+    palette = plt.get_cmap("tab20").colors if len(families) > 10 else None
+    size = (5.2, 3.8) if len(configs) <= 8 else (7.0, 5.0)  # room for a long legend
     fig, axes = plt.subplots(
-        1, len(rates), figsize=(5.2 * len(rates), 3.8), squeeze=False, sharey=True
+        1, len(rates), figsize=(size[0] * len(rates), size[1]), squeeze=False, sharey=True
     )
     for ax, rate in zip(axes[0], rates, strict=True):
         name = None
         for config in configs:
-            if (rate, config) not in runs:
-                continue
+            if (rate, config) not in runs or config.startswith("local"):
+                continue  # local's params never leave the initial ones
             points, _ = runs[rate, config]
             name = points[0]["quality_name"]
             method = family(config)
-            color = "black" if method == BASELINE else f"C{families.index(method) % 10}"
-            style = "-." if "," in config else "--" if method != config else "-"
+            index = families.index(method) if method != BASELINE else 0
+            color = (
+                "black"
+                if method == BASELINE
+                else palette[index % len(palette)]
+                if palette
+                else f"C{index % 10}"
+            )
+            style = "--" if config == PROJECTED else "-." if "," in config else "-"
+            style = "--" if method != config.split(",")[0] and style == "-" else style
             ax.plot(
                 [r["wall_s"] for r in points],
                 [r["quality"] for r in points],
@@ -340,16 +574,20 @@ def plot(rows: list[dict], path: str):
                 color=color,
                 label=config,
             )
-        if (rate, BASELINE) in runs and runs[rate, BASELINE][1] is not None:
-            target = runs[rate, BASELINE][1]["quality"]
+        base = (rate, baselines(rows).get(rate, (BASELINE,))[0])
+        if base in runs and runs[base][1] is not None:
+            target = runs[base][1]["quality"]
             ax.axhline(target, ls=":", lw=0.8, color="gray")  # what the table times
         ax.set(title=f"{netbed.format_rate(rate)} per host", xlabel="training wall time, s")
+        if log_time:  # linear up to 10 s (the evaluations at 0 s), logarithmic beyond
+            ax.set_xscale("symlog", linthresh=10.0)
+            ax.set_xlim(left=0)
         ax.set_ylabel(name or "quality")
         if name == "val_loss":
             low = min(r["quality"] for points, _ in runs.values() for r in points)  # shared y
             ax.set_ylim(low - 0.05, min(ax.get_ylim()[1], low + 1.0))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="upper right")
+        ax.legend(fontsize=6, loc="lower left" if log_time else "upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -359,8 +597,17 @@ def report(args, rows: list[dict]):
     summary = summarize(rows, args.tolerance)
     print(format_table(summary, rows, args.tolerance), flush=True)
     if args.png:
-        plot(rows, args.png)
+        plot(rows, args.png, args.log_time)
         print(f"plot: {args.png}", flush=True)
+
+
+def with_projection(args, rows: list[dict]) -> list[dict]:
+    """``rows`` and, with --project-from, dense's projected rows (``project_dense``)."""
+    if not args.project_from:
+        return rows
+    with open(args.project_from) as f:
+        reference = json.load(f)
+    return rows + project_dense(rows, reference, os.path.basename(args.project_from))
 
 
 def main(argv=None) -> int:
@@ -370,7 +617,7 @@ def main(argv=None) -> int:
         for path in args.from_json.split(","):
             with open(path) as f:
                 rows += json.load(f)
-        report(args, rows)
+        report(args, with_projection(args, rows))
         return 0
     if os.environ.get(netbed.INSIDE_ENV) == "1":
         return run_inside(args)
@@ -390,7 +637,10 @@ def main(argv=None) -> int:
     )
     if os.path.exists(args.json) and os.path.getsize(args.json):
         with open(args.json) as f:
-            report(args, json.load(f))
+            rows = with_projection(args, json.load(f))
+        if args.project_from:
+            network.write_json(args.json, rows)  # the projection, marked, beside the runs
+        report(args, rows)
     if temporary is not None:
         os.unlink(args.json)
     return code

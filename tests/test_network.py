@@ -337,13 +337,17 @@ def test_time_to_quality_table_agrees_with_its_rows(tmp_path):
         assert float(cells[1].replace(",", "")) == pytest.approx(
             summary[config]["bytes_per_step"], abs=0.5
         )
-        assert float(cells[3]) == pytest.approx(summary[config]["quality"], abs=5e-5)
+        assert float(cells[2]) == pytest.approx(summary[config]["step_s"], abs=5e-4)
+        assert float(cells[3]) == pytest.approx(summary[config]["mean_step_s"], abs=5e-4)
+        assert cells[4] == "6"  # steps run; no early stop asked for
+        assert float(cells[5]) == pytest.approx(summary[config]["quality"], abs=5e-5)
+        assert cells[7] == "-"  # not a DiLoCo variant: nothing to set against plain DiLoCo
         if first is None:
             assert "not reached" in line
         else:
-            assert float(cells[6]) == pytest.approx(first, abs=0.05)
+            assert float(cells[9]) == pytest.approx(first, abs=0.05)
             base = next(r["wall_s"] for r in evals["dense"] if r["quality"] >= target)
-            assert float(cells[7].rstrip("x")) == pytest.approx(base / first, rel=0.01, abs=0.006)
+            assert float(cells[10].rstrip("x")) == pytest.approx(base / first, rel=0.01, abs=0.006)
     assert png.stat().st_size > 0
     _assert_torn_down(before)
     assert not _pids_running("quality_worker.py") | _pids_running(str(TTQ_SCRIPT))
@@ -368,6 +372,116 @@ def test_quality_worker_reads_configuration_names():
     for name in qw.CONFIGS:
         qw.parse_config(name)  # every default configuration is read
     for bad in ("powersgd_r4_warm", "powersgd", "powersgd_r4_denseemb_warm50", "diloco_h50_olr",
-                "diloco_h50_om0.8_olr1", "x"):  # fmt: skip
+                "diloco_h50_om0.8_olr1", "x", "diloco_h50_wint2", "diloco_h50_ffi_d5",
+                "diloco_h50_a0.5_d5", "sparseloco", "sparseloco_h50_b2_k3", "sparseloco_h50_wint8",
+                "local_h50"):  # fmt: skip
         with pytest.raises(ValueError, match="unknown configuration"):
             qw.parse_config(bad)
+
+
+def test_quality_worker_reads_diloco_and_sparseloco_variants():
+    """Delay, mixing, the wire and the ffi backend of DiLoCo, SparseLoCo's
+    density (in percent) and value bits: each name gives the options it
+    spells and the defaults for the rest."""
+    import quality_worker as qw
+
+    got = qw.parse_config("diloco_h50_d5_a0.5")
+    assert got == qw.DiLoCoConfig(50, 1, 0.7, 0.9, delay=5, mixing=0.5, wire=None, backend="xla")
+    assert qw.parse_config("diloco_h50_wint8").wire == "int8"
+    assert qw.parse_config("diloco_h50_wint4").wire == "int4"
+    assert qw.parse_config("diloco_h50_wbf16").wire == "bfloat16"
+    assert qw.parse_config("diloco_h50_wfp8").wire == "float8_e4m3fn"
+    got = qw.parse_config("streaming_diloco_h50_f5_olr1.0_om0_d3_a0.25_wfp16_ffi")
+    assert got == qw.DiLoCoConfig(50, 5, 1.0, 0.0, 3, 0.25, "float16", "ffi")
+    assert qw.parse_config("diloco_h50_ffi").backend == "ffi"
+    assert qw.parse_config("diloco_h50_ffi")[:6] == qw.parse_config("diloco_h50")[:6]
+    assert qw.parse_config("sparseloco_h50") == qw.SparseLoCoConfig(50, 0.02, 2, 0, 0.0, "xla")
+    assert qw.parse_config("sparseloco_h10_k3_b4") == qw.SparseLoCoConfig(10, 0.03, 4)
+    assert qw.parse_config("sparseloco_h50_k0.5").density == pytest.approx(0.005)
+    assert qw.parse_config("sparseloco_h50_d5_a0.5_ffi") == qw.SparseLoCoConfig(
+        50, 0.02, 2, 5, 0.5, "ffi"
+    )
+    assert qw.parse_config("local") == "local"
+    for name in ("diloco_h50_d5_a0.5", "diloco_h50_wint4", "sparseloco_h50_k2", "local"):
+        assert qw.config_name(name) == name  # the worker's --config takes them
+    # The wires are the names jaxcomm.diloco's wire_dtype takes.
+    assert set(qw.WIRES.values()) == {
+        "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int4"
+    }  # fmt: skip
+
+
+def test_quality_worker_builds_the_variants_it_names():
+    """make_optimizer passes each option through: the DiLoCo state of a
+    delayed variant holds a pending average, SparseLoCo's an error buffer,
+    and the compute-only configuration never syncs within its steps."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import quality_worker as qw
+
+    import jaxcomm
+
+    params = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,))}
+    mesh = jax.make_mesh((2,), (qw.AXIS,))
+    with jax.set_mesh(mesh):
+        states = {
+            name: jax.eval_shape(qw.make_optimizer(name, optax.adamw(1e-3), 30)[0].init, params)
+            for name in ("diloco_h10", "diloco_h10_d3_a0.5", "sparseloco_h10", "local")
+        }
+    assert states["diloco_h10"].pending == ()
+    assert len(states["diloco_h10_d3_a0.5"].pending) == 1  # one fragment's pending average
+    assert jax.tree.leaves(states["sparseloco_h10"].error)  # the error-feedback buffer
+    for name in ("diloco_h10", "sparseloco_h10", "local"):
+        assert qw.make_optimizer(name, optax.adamw(1e-3), 30)[1]  # gradients at local params
+    del jaxcomm
+
+
+def test_time_to_quality_projects_dense_and_sets_variants_against_plain_diloco():
+    """A short dense run at one rate and a full one at another: the
+    projection takes the full run's losses at the short run's wall time per
+    step, is marked projected, and is the target; a variant is set against
+    plain DiLoCo at the last step both evaluated; an early stop shows."""
+    import time_to_quality as ttq
+
+    def run(config, rate, steps, losses, per_step, **extra):
+        common = {"rate_bps": rate, "config": config, "model": "lm", "steps": steps,
+                  "params": 10, "quality_name": "val_loss", "higher_is_better": False}  # fmt: skip
+        points = [
+            {**common, "step": t, "wall_s": t * per_step, "quality": q} for t, q in losses.items()
+        ]
+        last = max(losses)
+        summary = {**common, "summary": True, "wall_s": last * per_step, "steps_run": last,
+                   "quality": losses[last], "step_s": per_step, "mean_step_s": per_step,
+                   "bytes_per_step": 1.0, "compile_s": 1.0, **extra}  # fmt: skip
+        return [*points, summary]
+
+    fast, slow = 100e6, 10e6
+    reference = run("dense", fast, 40, {0: 5.0, 20: 3.0, 40: 2.0}, 1.0)
+    rows = [
+        *run("dense", slow, 20, {0: 5.0, 20: 3.0}, 7.0),
+        *run("diloco_h10", slow, 80, {0: 5.0, 20: 3.5, 40: 2.5, 60: 2.2, 80: 1.95}, 0.5),
+        *run("diloco_h10_wint4", slow, 80, {0: 5.0, 20: 3.6, 40: 2.75, 60: 1.9}, 0.5,
+             stopped_early=True),
+    ]  # fmt: skip
+    projected = ttq.project_dense(rows, reference, "ref.json")
+    assert projected and all(r["projected"] and r["rate_bps"] == slow for r in projected)
+    summary = next(r for r in projected if r.get("summary"))
+    assert summary["wall_s"] == pytest.approx(40 * 7.0) and summary["quality"] == 2.0
+    assert [r["wall_s"] for r in projected if not r.get("summary")] == [0.0, 140.0, 280.0]
+    assert ttq.project_dense(rows + projected, reference) == []  # once per rate
+    table = {s["config"]: s for s in ttq.summarize(rows + projected)}
+    assert set(table) == {"dense, 20 steps", "dense (projected)", "diloco_h10, 80 steps",
+                          "diloco_h10_wint4, 80 steps"}  # fmt: skip
+    assert table["dense (projected)"]["projected"]
+    assert table["dense (projected)"]["time_to_target_s"] == pytest.approx(280.0)
+    plain, wint4 = table["diloco_h10, 80 steps"], table["diloco_h10_wint4, 80 steps"]
+    assert plain["target"] == 2.0 and plain["time_to_target_s"] == pytest.approx(40.0)
+    assert plain["speedup"] == pytest.approx(280.0 / 40.0)
+    assert wint4["time_to_target_s"] == pytest.approx(30.0) and wint4["stopped_early"]
+    assert wint4["steps_run"] == 60
+    assert wint4["vs_plain_diloco_step"] == 60
+    assert wint4["vs_plain_diloco"] == pytest.approx(1.9 / 2.2 - 1)
+    assert plain["vs_plain_diloco"] == 0.0
+    assert table["dense, 20 steps"]["time_to_target_s"] is None
+    text = ttq.format_table(ttq.summarize(rows + projected), rows + projected)
+    assert "PROJECTED" in text and "280.0p" in text and "60*" in text
