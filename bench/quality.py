@@ -129,12 +129,16 @@ def lm_rows(result: dict) -> list[dict]:
     bytes_ratio = {r["config"]: r["bytes_ratio"] for r in result["rows"]}
     rows = []
     for config, losses in finals.items():
+        # The seeds both ran (a stopped job may hold fewer of some): the
+        # runs go seed by seed in the same order.
+        losses = losses[: len(finals[BASELINE])]
         changes = [v / d - 1 for v, d in zip(losses, finals[BASELINE], strict=False)]
         rows.append(
             {
                 "config": config,
                 "seeds": len(losses),
                 "quality": statistics.fmean(losses),
+                "dense_quality": statistics.fmean(finals[BASELINE][: len(losses)]),
                 "change": statistics.fmean(changes),
                 "change_min": min(changes),
                 "change_max": max(changes),
@@ -187,11 +191,22 @@ def report(results: dict, markdown: bool) -> None:
             ]
         else:
             rows = lm_rows(result)
-            head = ["config", "val loss", "vs dense", "per seed", "bytes x dense", ""]
+            head = [
+                "config",
+                "seeds",
+                "val loss",
+                "dense's",
+                "vs dense",
+                "per seed",
+                "bytes x dense",
+                "",
+            ]
             cells = [
                 [
                     r["config"],
+                    str(r["seeds"]),
                     f"{r['quality']:.4f}",
+                    f"{r['dense_quality']:.4f}",
                     f"{100 * r['change']:+.1f}%",
                     f"{100 * r['change_min']:+.1f}% .. {100 * r['change_max']:+.1f}%",
                     "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3f}",

@@ -35,6 +35,11 @@ def test_lm_rows_compare_each_seed_with_its_own_dense(bench):
     assert csc["change"] == pytest.approx(0.025)
     assert (csc["change_min"], csc["change_max"]) == (pytest.approx(0.0), pytest.approx(0.05))
     assert csc["bytes_ratio"] == 0.2 and rows["dense"]["change"] == 0.0
+    # A stopped job: csc ran one seed of dense's two; it is compared on that one.
+    result["val_losses"]["csc"] = [[3.0, 2.2]]
+    csc = {r["config"]: r for r in bench.lm_rows(result)}["csc"]
+    assert (csc["seeds"], csc["quality"], csc["dense_quality"]) == (1, 2.2, 2.0)
+    assert csc["change"] == pytest.approx(0.1)
     assert [bench.verdict(c) for c in (0.02, 0.025, 0.031)] == [
         "within 2%",
         "within 3%",
