@@ -25,7 +25,7 @@ configuration the mean step, the median step, the slowest step and the mean
 against ``local``'s; writes the rows (``--json``) and a timeline plot
 (``--png``): host 0's steps as bars, each started exchange as a span.
 
-    python bench/diloco_overlap.py --rate 10mbit --json o.json --png o.png
+    python bench/diloco_overlap.py --rate 10mbit --json o.json --png o.png  # H 100, tau 80
     python bench/diloco_overlap.py --from-json o.json --png o.png
 
 Needs root (namespaces), as ``bench/network.py`` does; says so and exits 2.
@@ -57,9 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=", ".join(CONFIGS))
     parser.add_argument("--rate", default="10mbit", help="link rate")
     parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--sync-every", type=int, default=30)
-    parser.add_argument("--delay", type=int, default=20)
+    # An exchange of this model at 10 Mbit/s takes 6-8 s, 80 idle-machine steps.
+    parser.add_argument("--steps", type=int, default=200, help="timed steps")
+    parser.add_argument("--sync-every", type=int, default=100)
+    parser.add_argument("--delay", type=int, default=80)
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch-per-device", type=int, default=8)
@@ -119,7 +120,9 @@ def worker(args) -> int:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    every = args.steps + 1 if config == "local" else args.sync_every
+    # local: the first sync after the last step, untimed ones included.
+    warm = args.sync_every + args.delay
+    every = warm + args.steps + 1 if config == "local" else args.sync_every
     delay = 0 if config in ("local", "plain") else args.delay
     backend = "auto" if config == "overlapped" else "xla"
     tx = jaxcomm.diloco(
@@ -149,7 +152,6 @@ def worker(args) -> int:
     n = mesh.size * args.batch_per_device
     # Not timed: a cycle and a landing first, which compile the step and open
     # the connections of both the sync and the landing.
-    warm = args.sync_every + args.delay
     batches = [data.sample_windows(corpus.train, n, 65, rng) for _ in range(warm + args.steps)]
     steps = []
     for t, batch in enumerate(batches):

@@ -44,7 +44,7 @@ def test_steps_are_split_by_the_exchanges_on_the_network(bench):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--delay", "30"], "--delay 30 must be in [1, --sync-every 30)"),
+        (["--delay", "100"], "--delay 100 must be in [1, --sync-every 100)"),
         (["--configs", "local,eager"], "unknown 'eager'"),
         (["--rate", "fast"], "fast"),
     ],
