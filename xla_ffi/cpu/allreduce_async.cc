@@ -3,11 +3,12 @@
 // jaxcomm_allreduce_start copies its input, starts the reduction on a jaxcomm
 // worker thread (or leaves it at the direct rendezvous) and returns at once
 // with a handle; jaxcomm_allreduce_done, given that handle in a later
-// execution, waits for the result and copies it out. A handle this job never
-// started (a restored state's) is an error, or, with `missing_ok`, reported
-// as not found: the caller then reduces the input it kept itself. In between, the
+// execution, waits for the result and copies it out. In between, the
 // exchange runs while XLA computes other steps: DiLoCo's delayed outer sync
-// sends its pseudo-gradient this way (docs/diloco.md, "Overlap").
+// sends its pseudo-gradient this way (docs/diloco.md, "Delay and mixing").
+// A handle this job never started (a restored state's) is an error, or, with
+// `missing_ok`, reported as not found: the caller then reduces the input it
+// kept itself.
 //
 // The handle is [nonce, op_id, sequence]. Every device starts a call site's
 // allreduces in the same order, so the handle is the same on every device of
