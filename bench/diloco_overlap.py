@@ -303,8 +303,7 @@ def main(argv=None) -> int:
         say(f"cannot make network namespaces here: {reason}")
         return 2
     if args.json is None:
-        parser_error = "--json is needed for a run (the rows go there)"
-        say(parser_error)
+        say("--json is needed for a run (the rows go there)")
         return 2
     code = netbed.run_isolated(
         [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],

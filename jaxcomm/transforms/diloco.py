@@ -511,16 +511,19 @@ def _finish(operands, bound, rule):
     first = {}  # each group's handle: that of its first leaf
     for x, h in zip(anchor, handles, strict=True):
         first.setdefault(_group(x), h)
+    like = jax.eval_shape(_pack, anchor)
     done = []
-    for flat, key in zip(_pack(sent), _groups(anchor), strict=True):
-        result, found = bound.allreduce_done(first[key], flat, missing_ok=True)
+    for g, (shape, key) in enumerate(zip(like, _groups(anchor), strict=True)):
+        result, found = bound.allreduce_done(first[key], shape, missing_ok=True)
+        # What was sent is packed only where it is reduced again: packed
+        # outside the cond, every landing would copy it for nothing.
         done.append(
             jax.lax.cond(
                 found > 0,
                 lambda r, _: r,
-                lambda _, v: bound.allreduce(v),
+                lambda _, kept, g=g: bound.allreduce(_pack(kept)[g]),
                 _varying(result, key[1]),
-                flat,
+                sent,
             )
         )
     mean = _unpack(done, anchor)
