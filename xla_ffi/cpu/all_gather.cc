@@ -19,24 +19,16 @@ ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
     return CompletedFuture(err);
   }
   const size_t m = x.element_count();
-  int64_t group;
-  int32_t rank;
-  if (Status st = Placement("all_gather", op_id, device, coords.typed_data(), &group, &rank);
+  CallSite site;
+  if (Status st = SiteOf(
+          "all_gather", run_id.run_id, op_id, device, coords.typed_data(), nranks, 1,
+          Algorithm::kRing,
+          Fingerprint(OpTag::kAllGather,
+                      {static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)}),
+          &site);
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
-  const CallSite site{
-      "all_gather",
-      run_id.run_id,
-      op_id,
-      device,
-      group,
-      rank,
-      nranks,
-      1,
-      Algorithm::kRing,
-      Fingerprint(OpTag::kAllGather,
-                  {static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)})};
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {

@@ -143,26 +143,18 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   size_t packed = 0;
   for (const Range& c : chunks) packed += c.size();
 
-  int64_t group;
-  int32_t rank;
-  if (Status st = Placement("allreduce", op_id, device, coords.typed_data(), &group, &rank);
+  CallSite site;
+  if (Status st = SiteOf(
+          "allreduce", run_id.run_id, op_id, device, coords.typed_data(), nranks, intra_size,
+          static_cast<Algorithm>(algorithm),
+          Fingerprint(OpTag::kAllReduce, {static_cast<int64_t>(n), static_cast<int>(spec.input),
+                                          static_cast<int>(spec.wire), algorithm, intra_size,
+                                          chunk_size, masked ? static_cast<int64_t>(packed) : -1,
+                                          masked ? static_cast<int64_t>(chunks.size()) : -1}),
+          &site);
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
-  const CallSite site{
-      "allreduce",
-      run_id.run_id,
-      op_id,
-      device,
-      group,
-      rank,
-      nranks,
-      intra_size,
-      static_cast<Algorithm>(algorithm),
-      Fingerprint(OpTag::kAllReduce, {static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                      static_cast<int>(spec.wire), algorithm, intra_size,
-                                      chunk_size, masked ? static_cast<int64_t>(packed) : -1,
-                                      masked ? static_cast<int64_t>(chunks.size()) : -1})};
 
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());

@@ -134,24 +134,17 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   }
   if (handle->element_count() != 3) return Invalid(kStart, "the handle must hold 3 int32");
   if (op_id < 0 || op_id > INT32_MAX) return Invalid(kStart, "op_id must fit in int32");
-  int64_t group;
-  int32_t rank;
-  if (Status st = Placement(kStart, op_id, device, coords.typed_data(), &group, &rank); !st.ok()) {
+  const size_t n = x.element_count();
+  CallSite site;
+  if (Status st = SiteOf(kStart, run_id.run_id, op_id, device, coords.typed_data(), nranks,
+                         intra_size, static_cast<Algorithm>(algorithm),
+                         Fingerprint(OpTag::kAllReduceStart,
+                                     {static_cast<int64_t>(n), static_cast<int>(spec.input),
+                                      static_cast<int>(spec.wire), algorithm, intra_size}),
+                         &site);
+      !st.ok()) {
     return ToError(st);
   }
-  const size_t n = x.element_count();
-  const CallSite site{
-      kStart,
-      run_id.run_id,
-      op_id,
-      device,
-      group,
-      rank,
-      nranks,
-      intra_size,
-      static_cast<Algorithm>(algorithm),
-      Fingerprint(OpTag::kAllReduceStart, {static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                           static_cast<int>(spec.wire), algorithm, intra_size})};
 
   auto op = std::make_shared<InFlight>();
   const char* data = static_cast<const char*>(x.untyped_data());

@@ -80,28 +80,21 @@ ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ff
   if (!IsValidAlgorithm(algorithm)) {
     return CompletedFuture(Invalid(kOp, "unknown algorithm code " + std::to_string(algorithm)));
   }
-  int64_t group;
-  int32_t rank;
-  if (Status st = Placement(kOp, op_id, device, coords.typed_data(), &group, &rank); !st.ok()) {
-    return CompletedFuture(ToError(st));
-  }
   // The ranks must agree on every part's size, not only on the total.
   uint64_t sizes = Fingerprint({static_cast<int64_t>(parts.sizes.size())});
   for (size_t size : parts.sizes)
     sizes = Fingerprint({static_cast<int64_t>(sizes), static_cast<int64_t>(size)});
-  const CallSite site{kOp,
-                      run_id.run_id,
-                      op_id,
-                      device,
-                      group,
-                      rank,
-                      nranks,
-                      intra_size,
-                      static_cast<Algorithm>(algorithm),
-                      Fingerprint(OpTag::kAllReduceParts,
-                                  {static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
-                                   static_cast<int>(spec.wire), algorithm, intra_size,
-                                   static_cast<int64_t>(sizes)})};
+  CallSite site;
+  if (Status st = SiteOf(kOp, run_id.run_id, op_id, device, coords.typed_data(), nranks, intra_size,
+                         static_cast<Algorithm>(algorithm),
+                         Fingerprint(OpTag::kAllReduceParts,
+                                     {static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
+                                      static_cast<int>(spec.wire), algorithm, intra_size,
+                                      static_cast<int64_t>(sizes)}),
+                         &site);
+      !st.ok()) {
+    return CompletedFuture(ToError(st));
+  }
   const Algorithm algo = ScheduleOf(site);
   if (algo == Algorithm::kDirect) {
     return ArriveDirectFuture(site, spec, parts.sizes, parts.in, parts.out);

@@ -42,13 +42,16 @@ uint64_t Fingerprint(OpTag op, std::initializer_list<int64_t> values) {
   return h;
 }
 
-Status Placement(const std::string& op, int64_t op_id, int device, const int32_t* coords,
-                 int64_t* group, int32_t* rank) {
-  *group = coords[0];
-  *rank = coords[1];
-  if (*group >= 0 || TcpRankOf(op_id, device, group, rank)) return Status::Ok();
+Status SiteOf(std::string op, int64_t run_id, int64_t op_id, int32_t device, const int32_t* coords,
+              int32_t nranks, int32_t intra_size, Algorithm algorithm, uint64_t fingerprint,
+              CallSite* site) {
+  *site = CallSite{std::move(op), run_id, op_id,      device,    coords[0],
+                   coords[1],     nranks, intra_size, algorithm, fingerprint};
+  if (site->group >= 0 || TcpRankOf(op_id, device, &site->group, &site->rank)) {
+    return Status::Ok();
+  }
   return Status(Code::kInvalidArgument,
-                "jaxcomm " + op + ": no [group, rank] registered for device " +
+                "jaxcomm " + site->op + ": no [group, rank] registered for device " +
                     std::to_string(device) + " of this process at call site " +
                     std::to_string(op_id) +
                     ": the program's devices are not in the order the trace assumed "

@@ -51,9 +51,11 @@ uint64_t Fingerprint(std::initializer_list<int64_t> values);
 // What the ranks of one call must agree on: `op`, then `values`.
 uint64_t Fingerprint(OpTag op, std::initializer_list<int64_t> values);
 
-// The [group, rank] of a call: the coords operand, or, where its group is
-// negative (across processes), what Python registered for this device at trace time.
-Status Placement(const std::string& op, int64_t op_id, int device, const int32_t* coords,
-                 int64_t* group, int32_t* rank);
+// The site of one handler call, its [group, rank] from the coords operand
+// or, where that group is negative (across processes), from what Python
+// registered for this device at trace time.
+Status SiteOf(std::string op, int64_t run_id, int64_t op_id, int32_t device, const int32_t* coords,
+              int32_t nranks, int32_t intra_size, Algorithm algorithm, uint64_t fingerprint,
+              CallSite* site);
 
 }  // namespace jaxcomm::cpu

@@ -22,17 +22,15 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
     return CompletedFuture(err);
   }
   const size_t n = x.element_count();
-  int64_t group;
-  int32_t rank;
-  if (Status st = Placement("reduce_scatter", op_id, device, coords.typed_data(), &group, &rank);
-      !st.ok()) {
-    return CompletedFuture(ToError(st));
-  }
   const uint64_t fingerprint = Fingerprint(
       OpTag::kReduceScatter,
       {static_cast<int64_t>(n), static_cast<int>(spec.input), static_cast<int>(spec.wire)});
-  const CallSite site{"reduce_scatter", run_id.run_id, op_id, device, group, rank, nranks, 1,
-                      Algorithm::kRing, fingerprint};
+  CallSite site;
+  if (Status st = SiteOf("reduce_scatter", run_id.run_id, op_id, device, coords.typed_data(),
+                         nranks, 1, Algorithm::kRing, fingerprint, &site);
+      !st.ok()) {
+    return CompletedFuture(ToError(st));
+  }
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
   return RunCollectiveAsync(site, [=](Rings& rings) -> Status {
