@@ -25,6 +25,7 @@ prints the same as Markdown tables (docs/lm.md holds them).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -36,7 +37,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # model -> (program, its extra arguments, the configurations run by default).
-LM_CONFIGS = "dense,bf16,fp16+ef,fp16+db,csc,csc+fp8,powersgd,diloco,diloco+delay,sparseloco"
+LM_CONFIGS = (
+    "dense,bf16,fp16+ef,int8+ef,int4+ef,fp16+db,csc,csc+fp8,powersgd,diloco,diloco+delay,sparseloco"
+)
 MODELS = {
     "lm": ("examples/lm/main.py", [], LM_CONFIGS),
     "lm-w96": (
@@ -67,7 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="where the examples write their JSON and plots, run by run (default: a "
         "temporary directory); each model's runs so far survive a stopped job there",
     )
-    p.add_argument("--from-json", help="no run: the tables from this file")
+    p.add_argument(
+        "--from-json",
+        help="no run: the tables from this file, or from several (comma-separated: their "
+        "configurations merged per model, dense checked to be the same runs)",
+    )
     p.add_argument("--markdown", action="store_true", help="Markdown tables")
     args = p.parse_args(argv)
     args.model_list = [m for m in args.models.split(",") if m]
@@ -227,11 +234,53 @@ def report(results: dict, markdown: bool) -> None:
                 print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def merged(parts: list[tuple[str, dict]]) -> dict:
+    """Several runs' results (name, JSON) as one: per model, every file's
+    configurations, the later file's where two ran the same one. Dense must
+    be the same runs in each (its final losses or accuracy equal to 1e-4),
+    or the changes against it would mix two baselines."""
+    out: dict = {}
+    for name, part in parts:
+        for model, result in part.items():
+            if model not in out:
+                out[model] = copy.deepcopy(result)
+                continue
+            have = out[model]
+            if not _same(_dense_finals(have), _dense_finals(result)):
+                raise ValueError(
+                    f"{name}: {model}'s dense differs from the earlier file's "
+                    f"({_dense_finals(result)} against {_dense_finals(have)}): not the same runs"
+                )
+            if "val_losses" in result:
+                have["val_losses"].update(result["val_losses"])
+            rows = {r["config"]: r for r in have["rows"]}
+            rows.update({r["config"]: r for r in result["rows"]})
+            have["rows"] = list(rows.values())
+    return out
+
+
+def _dense_finals(result: dict) -> list[float]:
+    """Dense's final loss per seed (an LM) or its mean accuracy (digits)."""
+    if "val_losses" in result:
+        return [curve[-1] for curve in result["val_losses"].get(BASELINE, [])]
+    return [r["accuracy_pct"] for r in result["rows"] if r["config"] == BASELINE]
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    """Equal lengths and values within 1e-4 relative."""
+    return len(a) == len(b) and all(
+        abs(x - y) <= 1e-4 * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True)
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            results = json.load(f)
+        parts = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                parts.append((path, json.load(f)))
+        results = merged(parts)
     else:
         results = {}
         with tempfile.TemporaryDirectory() as scratch:

@@ -108,6 +108,23 @@ def test_powersgd_and_diloco_configurations_train():
             assert result["bytes_per_step"] == pytest.approx(dense["bytes_per_step"])
 
 
+def test_outer_step_options_reach_diloco_only():
+    """--outer-lr / --outer-momentum set DiLoCo's outer SGD (plain averaging
+    with 1 and 0), not SparseLoCo's. Hand-worked first steps on g = 1:
+    Nesterov 0.7 / 0.9 gives -0.7 (1 + 0.9) = -1.33; averaging -1."""
+    (train,) = example_modules.load("lm", "train")
+    argv = ["--configs", "diloco,sparseloco", "--outer-lr", "1", "--outer-momentum", "0"]
+    args = main.parse_args(argv)
+    averaging, sparse = main.comm_for("diloco", args), main.comm_for("sparseloco", args)
+    assert (averaging.outer_lr, averaging.outer_momentum) == (1.0, 0.0)
+    assert (sparse.outer_lr, sparse.outer_momentum) == (None, None)
+    g = {"w": np.ones(3, np.float32)}
+    for comm, first in ((train.CONFIGURATIONS["diloco"], -1.33), (averaging, -1.0)):
+        outer = train.outer_sgd(comm)
+        u, _ = outer.update(g, outer.init(g))
+        np.testing.assert_allclose(u["w"], first, rtol=1e-6)
+
+
 def test_plot_shows_the_first_point():
     """The y-limits reach the untrained loss (every curve's first point) and
     the lowest point; a diverging run goes off the top."""

@@ -67,3 +67,36 @@ def test_configs_filter_each_model_and_unknown_ones_are_named(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "digits", "--configs", "powersgd"])
     assert "['powersgd'] are none of digits's" in capsys.readouterr().err
+
+
+def test_several_files_merge_per_model_against_the_same_dense(bench):
+    first = {
+        "lm": {
+            "val_losses": {"dense": [[3.0, 2.0]], "csc": [[3.0, 2.2]]},
+            "rows": [
+                {"config": "dense", "bytes_ratio": 1.0},
+                {"config": "csc", "bytes_ratio": 0.2},
+            ],
+        },
+        "digits": {"rows": [{"config": "dense", "accuracy_pct": 96.5}]},
+    }
+    later = {
+        "lm": {
+            "val_losses": {"dense": [[3.0, 2.0]], "int4+ef": [[3.0, 2.01]]},
+            "rows": [
+                {"config": "dense", "bytes_ratio": 1.0},
+                {"config": "int4+ef", "bytes_ratio": 0.13},
+            ],
+        }
+    }
+    both = bench.merged([("a.json", first), ("b.json", later)])
+    rows = {r["config"]: r for r in bench.lm_rows(both["lm"])}
+    assert sorted(rows) == ["csc", "dense", "int4+ef"]
+    assert rows["int4+ef"]["change"] == pytest.approx(0.005)
+    assert rows["int4+ef"]["bytes_ratio"] == 0.13 and rows["csc"]["bytes_ratio"] == 0.2
+    assert both["digits"] == first["digits"]
+    assert "int4+ef" not in first["lm"]["val_losses"]  # the inputs are left as they were
+    # Another dense (another seed, another program) would mix two baselines.
+    later["lm"]["val_losses"]["dense"] = [[3.0, 2.1]]
+    with pytest.raises(ValueError, match="b.json: lm's dense differs"):
+        bench.merged([("a.json", first), ("b.json", later)])

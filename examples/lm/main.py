@@ -68,6 +68,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--sparse-density", type=float, default=None, help="override 'sparseloco' density"
     )
+    p.add_argument(
+        "--outer-lr", type=float, default=None, help="override DiLoCo's outer learning rate"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="override DiLoCo's outer Nesterov momentum (0: none; with --outer-lr 1, "
+        "plain averaging)",
+    )
     p.add_argument("--train-bytes", type=int, default=data.TRAIN_BYTES)
     p.add_argument("--val-bytes", type=int, default=data.VAL_BYTES)
     p.add_argument("--out", default=OUT, help="directory of the PNG and JSON ('' for none)")
@@ -112,6 +122,10 @@ def comm_for(name: str, args) -> train.Comm:
         overrides["sync_every"] = args.sync_every
     if comm.sparse_density is not None and args.sparse_density is not None:
         overrides["sparse_density"] = args.sparse_density
+    if comm.sync_every is not None and comm.sparse_density is None:
+        for field in ("outer_lr", "outer_momentum"):
+            if getattr(args, field) is not None:
+                overrides[field] = getattr(args, field)
     return dataclasses.replace(comm, **overrides)
 
 

@@ -66,6 +66,9 @@ class Comm:
         (Streaming DiLoCo's alpha).
       sparse_density: SparseLoCo's outer step (``OUTER_SPARSE``) in place of
         ``OUTER_SGD``, sending this fraction of each chunk (None: dense).
+      outer_lr: DiLoCo's outer learning rate (None: ``OUTER_SGD``'s).
+      outer_momentum: DiLoCo's outer Nesterov momentum, 0 for none (None:
+        ``OUTER_SGD``'s); 1.0 and 0 make the outer step plain averaging.
     """
 
     wire_dtype: str | None = None
@@ -83,6 +86,8 @@ class Comm:
     delay: int = 0
     mixing: float = 0.0
     sparse_density: float | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
 
 # DiLoCo's outer step, as in the DiLoCo paper: Nesterov momentum on the
@@ -97,6 +102,8 @@ CONFIGURATIONS = {
     "bf16": Comm(wire_dtype="bfloat16"),
     "fp16": Comm(wire_dtype="float16"),
     "fp16+ef": Comm(wire_dtype="float16", error_feedback=True),
+    "int8+ef": Comm(wire_dtype="int8", error_feedback=True),
+    "int4+ef": Comm(wire_dtype="int4", error_feedback=True),
     "db": Comm(double_buffering=True),
     "fp16+db": Comm(wire_dtype="float16", double_buffering=True),
     "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
@@ -141,6 +148,15 @@ def learning_rate(run: Run):
     return optax.linear_schedule(0.0, run.lr, run.lr_warmup)
 
 
+def outer_sgd(comm: Comm) -> optax.GradientTransformation:
+    """DiLoCo's outer SGD: ``OUTER_SGD`` with the configuration's overrides."""
+    lr = OUTER_SGD["learning_rate"] if comm.outer_lr is None else comm.outer_lr
+    momentum = OUTER_SGD["momentum"] if comm.outer_momentum is None else comm.outer_momentum
+    if momentum == 0:
+        return optax.sgd(lr)
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+
+
 def make_optimizer(run: Run) -> optax.GradientTransformation:
     """AdamW behind the configuration's jaxcomm transform (chunk-sparse and
     DiLoCo wrap it)."""
@@ -148,7 +164,7 @@ def make_optimizer(run: Run) -> optax.GradientTransformation:
     adamw = optax.adamw(learning_rate(run), b1=run.b1)
     if comm.sync_every is not None:
         if comm.sparse_density is None:
-            outer = optax.sgd(**OUTER_SGD)
+            outer = outer_sgd(comm)
         else:
             outer = jaxcomm.sparse_outer(density=comm.sparse_density, **OUTER_SPARSE)
         return jaxcomm.diloco(
