@@ -117,6 +117,12 @@ def diloco(
     ``backend="xla"``, a scaled wire, :func:`jaxcomm.sparse_outer`) it runs in
     the sync step and only its use waits. See docs/diloco.md.
 
+    At equal steps it ends above dense training: on examples/lm (300 steps)
+    +4% at H = 2 to +18% at H = 50 with plain averaging (``outer=optax.sgd(1.0)``,
+    the best outer step in short runs), +20% with the paper's Nesterov step at
+    H = 50 (docs/diloco.md, "Quality at equal steps"). It pays where the
+    network makes dense steps slow.
+
     Args:
       inner: the optimizer each device runs on its own gradients, e.g.
         ``optax.adamw(...)``; its state is per device and kept across syncs.
