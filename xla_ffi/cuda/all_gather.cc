@@ -59,21 +59,12 @@ ffi::Error AllGatherXla(cudaStream_t stream, int32_t device, ffi::Context ctx, X
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherCuda, AllGatherOwn,
-    BindAllGather<Site::kOpId>(ffi::Ffi::Bind()
-                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                   .Ctx<ffi::DeviceOrdinal>()  // picks the communicator
-                                   .Ctx<ffi::Context>()));     // scratch memory
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherCuda, AllGatherOwn,
+                              BindAllGather<Site::kOpId>(BindCollectiveContexts()));
 
 #if JAXCOMM_XLA_COMMS
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherCudaXlaComms, AllGatherXla,
-    BindAllGather<Site::kGroups>(ffi::Ffi::Bind()
-                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                     .Ctx<ffi::DeviceOrdinal>()
-                                     .Ctx<ffi::Context>()
-                                     .Ctx<ffi::Extension<XlaCollectives>>()));  // XLA's comms
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherCudaXlaComms, AllGatherXla,
+                              BindAllGather<Site::kGroups>(BindCollectiveContextsXlaComms()));
 #endif
 
 }  // namespace jaxcomm::cuda

@@ -106,21 +106,12 @@ ffi::Error AllReduceXla(cudaStream_t stream, int32_t device, ffi::Context ctx, X
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllReduceCuda, AllReduceOwn,
-    BindAllReduce<Site::kOpId>(ffi::Ffi::Bind()
-                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                   .Ctx<ffi::DeviceOrdinal>()  // picks the communicator
-                                   .Ctx<ffi::Context>()));     // scratch memory
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCuda, AllReduceOwn,
+                              BindAllReduce<Site::kOpId>(BindCollectiveContexts()));
 
 #if JAXCOMM_XLA_COMMS
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllReduceCudaXlaComms, AllReduceXla,
-    BindAllReduce<Site::kGroups>(ffi::Ffi::Bind()
-                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                     .Ctx<ffi::DeviceOrdinal>()
-                                     .Ctx<ffi::Context>()
-                                     .Ctx<ffi::Extension<XlaCollectives>>()));  // XLA's comms
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCudaXlaComms, AllReduceXla,
+                              BindAllReduce<Site::kGroups>(BindCollectiveContextsXlaComms()));
 #endif
 
 }  // namespace jaxcomm::cuda

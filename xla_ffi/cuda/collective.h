@@ -20,6 +20,15 @@ namespace jaxcomm::cuda {
 
 namespace ffi = xla::ffi;
 
+// The contexts every collective handler binds first: XLA's stream, the device
+// (it picks the communicator) and the call's context (scratch memory).
+inline auto BindCollectiveContexts() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::Context>();
+}
+
 // What a handler issues on its communicators, whoever owns them.
 using CollectiveBody = std::function<Status(const CommSet&, CudaKernels&)>;
 // Runs a body on one call's communicators: handlers are written once against

@@ -64,21 +64,12 @@ ffi::Error ReduceScatterXla(cudaStream_t stream, int32_t device, ffi::Context ct
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterCuda, ReduceScatterOwn,
-    BindReduceScatter<Site::kOpId>(ffi::Ffi::Bind()
-                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                       .Ctx<ffi::DeviceOrdinal>()  // picks the communicator
-                                       .Ctx<ffi::Context>()));     // scratch memory
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterCuda, ReduceScatterOwn,
+                              BindReduceScatter<Site::kOpId>(BindCollectiveContexts()));
 
 #if JAXCOMM_XLA_COMMS
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterCudaXlaComms, ReduceScatterXla,
-    BindReduceScatter<Site::kGroups>(ffi::Ffi::Bind()
-                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                         .Ctx<ffi::DeviceOrdinal>()
-                                         .Ctx<ffi::Context>()
-                                         .Ctx<ffi::Extension<XlaCollectives>>()));  // XLA's comms
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterCudaXlaComms, ReduceScatterXla,
+                              BindReduceScatter<Site::kGroups>(BindCollectiveContextsXlaComms()));
 #endif
 
 }  // namespace jaxcomm::cuda

@@ -41,6 +41,11 @@ struct XlaCollectives : xla::ffi::internal::CollectivesExtensionBase<XlaCommCont
   static bool Support(int32_t major, int32_t minor) { return major == 0 && minor >= 1; }
 };
 
+// BindCollectiveContexts, then XLA's communicators.
+inline auto BindCollectiveContextsXlaComms() {
+  return BindCollectiveContexts().Ctx<xla::ffi::Extension<XlaCollectives>>();
+}
+
 // Prepare stage of every collective handler: requests the clique of the
 // call's "groups" attribute, and for algorithm=hierarchical also those of its
 // intra- and inter-node sub-groups ("intra_size" ranks per node).
