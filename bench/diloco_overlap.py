@@ -194,21 +194,27 @@ def run_inside(args) -> int:
     netbed.install_interrupt_handlers()
     deadline = time.monotonic() + args.timeout
     rows = []
-    with netbed.Testbed(args.hosts, args.rate_bps) as bed:
-        measured = netbed.measure_link(bed, seconds=2.0)
-        rows.append({"config": "link", "rate_bps": args.rate_bps, "measured_bps": measured})
-        say(f"{netbed.format_rate(args.rate_bps)}: one TCP stream {measured / 1e6:.1f} Mbit/s")
-        for config in args.config_list:
-            say(f"{config}: starting")
-            argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", config]
-            result = netbed.run_hosts(
-                bed, argv, lambda host: network.worker_env(args, bed, host), deadline=deadline
-            )
-            rows.extend({"rate_bps": args.rate_bps, **r} for r in result.rows)
-            network.write_json(args.json, rows)
-            if result.code:
-                say(f"{config}: failed ({result.code})")
-                return result.code
+    try:
+        with netbed.Testbed(args.hosts, args.rate_bps) as bed:
+            measured = netbed.measure_link(bed, seconds=2.0)
+            rows.append({"config": "link", "rate_bps": args.rate_bps, "measured_bps": measured})
+            say(f"{netbed.format_rate(args.rate_bps)}: one TCP stream {measured / 1e6:.1f} Mbit/s")
+            for config in args.config_list:
+                say(f"{config}: starting")
+                argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+                result = netbed.run_hosts(
+                    bed,
+                    [*argv, "--worker", config],
+                    lambda host: network.worker_env(args, bed, host),
+                    deadline=deadline,
+                )
+                rows.extend({"rate_bps": args.rate_bps, **r} for r in result.rows)
+                network.write_json(args.json, rows)
+                if result.code:
+                    say(f"{config}: failed ({result.code})")
+                    return result.code
+    except (netbed.Interrupted, netbed.NetbedError) as stop:
+        return netbed.stopped(stop, say)
     return 0
 
 
@@ -298,17 +304,11 @@ def main(argv=None) -> int:
         return 0
     if os.environ.get(netbed.INSIDE_ENV) == "1":
         return run_inside(args)
-    reason = netbed.check_can_isolate()
-    if reason is not None:
-        say(f"cannot make network namespaces here: {reason}")
-        return 2
     if args.json is None:
         say("--json is needed for a run (the rows go there)")
         return 2
-    code = netbed.run_isolated(
-        [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
-        timeout_s=args.timeout + 60,
-    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    code = netbed.rerun_isolated(__file__, argv, timeout_s=args.timeout + 60, say=say)
     if os.path.exists(args.json) and os.path.getsize(args.json):
         with open(args.json) as f:
             report(args, json.load(f))

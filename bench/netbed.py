@@ -193,6 +193,27 @@ def run_isolated(argv: Sequence[str], *, timeout_s: float, grace_s: float = 15.0
     return code if code >= 0 else 128 - code
 
 
+def rerun_isolated(script: str, argv: Sequence[str], *, timeout_s: float, say) -> int:
+    """Runs ``script`` again with ``argv`` through :func:`run_isolated` (a
+    bench's driver, which then finds :data:`INSIDE_ENV` set); its exit code,
+    or 2, said, where namespaces cannot be made here."""
+    reason = check_can_isolate()
+    if reason is not None:
+        say(f"cannot make network namespaces here: {reason}")
+        return 2
+    return run_isolated([sys.executable, os.path.abspath(script), *argv], timeout_s=timeout_s)
+
+
+def stopped(error: Exception, say) -> int:
+    """The exit code of a run inside the namespaces that ``error`` stopped
+    (:class:`Interrupted`: 128 + the signal; :class:`NetbedError`: 2), said."""
+    if isinstance(error, Interrupted):
+        say(f"got {error}; stopped every host and removed the namespaces")
+        return 128 + error.signum
+    say(f"could not build the testbed: {error}")
+    return 2
+
+
 def install_interrupt_handlers():
     """SIGINT/SIGTERM raise :class:`Interrupted` (PID 1 ignores them otherwise); once."""
 

@@ -324,12 +324,8 @@ def run_inside(args) -> int:
                     say(f"{result.failed}; stopped")
                     code = result.code
                     break
-    except netbed.Interrupted as interrupt:
-        say(f"got {interrupt}; stopped every host and removed the namespaces")
-        code = 128 + interrupt.signum
-    except netbed.NetbedError as e:
-        say(f"could not build the testbed: {e}")
-        code = 2
+    except (netbed.Interrupted, netbed.NetbedError) as stop:
+        code = netbed.stopped(stop, say)
     write_json(args.json, all_rows)
     return code
 
@@ -338,14 +334,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if os.environ.get(netbed.INSIDE_ENV) == "1":
         return run_inside(args)
-    reason = netbed.check_can_isolate()
-    if reason is not None:
-        say(f"cannot make network namespaces here: {reason}")
-        return 2
     argv = sys.argv[1:] if argv is None else list(argv)
-    return netbed.run_isolated(
-        [sys.executable, os.path.abspath(__file__), *argv], timeout_s=args.timeout + 60
-    )
+    return netbed.rerun_isolated(__file__, argv, timeout_s=args.timeout + 60, say=say)
 
 
 if __name__ == "__main__":

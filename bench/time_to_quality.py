@@ -224,12 +224,8 @@ def run_inside(args) -> int:
                         return 124
                     if result.code:
                         code = result.code  # a failing configuration; the others still run
-    except netbed.Interrupted as interrupt:
-        say(f"got {interrupt}; stopped every host and removed the namespaces")
-        code = 128 + interrupt.signum
-    except netbed.NetbedError as e:
-        say(f"could not build the testbed: {e}")
-        code = 2
+    except (netbed.Interrupted, netbed.NetbedError) as stop:
+        code = netbed.stopped(stop, say)
     network.write_json(args.json, rows)
     return code
 
@@ -621,10 +617,6 @@ def main(argv=None) -> int:
         return 0
     if os.environ.get(netbed.INSIDE_ENV) == "1":
         return run_inside(args)
-    reason = netbed.check_can_isolate()
-    if reason is not None:
-        say(f"cannot make network namespaces here: {reason}")
-        return 2
     argv = sys.argv[1:] if argv is None else list(argv)
     temporary = None
     if args.json is None:
@@ -632,9 +624,7 @@ def main(argv=None) -> int:
         args.json = temporary.name
         argv += ["--json", args.json]
     say(f"{len(args.config_list)} configurations x {len(args.rates)} rates, rows in {args.json}")
-    code = netbed.run_isolated(
-        [sys.executable, os.path.abspath(__file__), *argv], timeout_s=args.timeout + 60
-    )
+    code = netbed.rerun_isolated(__file__, argv, timeout_s=args.timeout + 60, say=say)
     if os.path.exists(args.json) and os.path.getsize(args.json):
         with open(args.json) as f:
             rows = with_projection(args, json.load(f))
