@@ -231,8 +231,9 @@ def print_table(rows, seeds, n_devices, params, fsdp: int = 1) -> None:
         f"\n{n_devices} devices{layout if fsdp > 1 else ''}, {params:,} parameters, "
         f"mean over seeds {seeds}; changes against '{base}'"
     )
+    w = max(10, *(len(r["config"]) + 1 for r in rows))  # diloco+delay is 12 wide
     head = (
-        f"{'config':<10}{'val loss':>16}{'change':>9}{'step ms':>9}{'run s':>8}"
+        f"{'config':<{w}}{'val loss':>16}{'change':>9}{'step ms':>9}{'run s':>8}"
         f"{'bytes/step/dev':>16}{'bytes x':>9}"
     )
     print(head)
@@ -240,7 +241,7 @@ def print_table(rows, seeds, n_devices, params, fsdp: int = 1) -> None:
     for r in rows:
         val = f"{r['val_loss']:.4f}±{r['val_loss_sd']:.4f}"
         print(
-            f"{r['config']:<10}{val:>16}{100 * r['val_loss_change']:>+8.1f}%"
+            f"{r['config']:<{w}}{val:>16}{100 * r['val_loss_change']:>+8.1f}%"
             f"{r['step_ms']:>9.1f}{r['wall_s']:>8.1f}"
             f"{r['bytes_per_step']:>16,.0f}{r['bytes_ratio']:>9.3f}"
         )
