@@ -93,3 +93,11 @@ def check_bucket_bytes(bucket_bytes) -> float:
     if math.isnan(bucket_bytes) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 0 (0: one collective per leaf)")
     return float(bucket_bytes)
+
+
+def check_optimizer(name: str, tx) -> None:
+    """Refuses ``tx`` unless it has optax's ``init`` and ``update``."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"{name}={tx!r} must be an optax.GradientTransformation, e.g. optax.sgd(0.1)"
+        )

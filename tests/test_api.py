@@ -35,6 +35,7 @@ _BUILD_THEN_INITIALIZE = textwrap.dedent(
     jaxcomm.allreduce_gradients(("node", "data"), algorithm="hierarchical", backend="ffi")
     jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1)
     jaxcomm.chunk_sparse(optax.sgd(0.1), "data", density=0.1, backend="auto")
+    jaxcomm.double_buffered(optax.adamw(1e-3), "data", wire_dtype=jnp.bfloat16)
     assert not xla_bridge.backends_are_initialized(), "building a transform started a backend"
     jaxcomm.set_ffi_timeout(30)
     assert not xla_bridge.backends_are_initialized(), "set_ffi_timeout started a backend"

@@ -113,6 +113,14 @@ OPTIONS = {
             optax.sgd(0.05, momentum=0.9),
         ),
     ),
+    # The buffer, each device's predicted params, AdamW's state and counter.
+    "double_buffered_adamw_fp16_ffi": (
+        (8,),
+        ("data",),
+        lambda a: jaxcomm.double_buffered(
+            optax.adamw(1e-2), a, wire_dtype=jnp.float16, error_feedback=True, backend="ffi"
+        ),
+    ),
     # warm-up of 15 steps: the checkpoint falls in the middle of the ramp.
     "chunk_sparse_adam_warmup_ffi": (
         (8,),

@@ -326,18 +326,19 @@ def _diloco():
     )
 
 
+def _grads_at_local(model, optimizer, x, y):
+    mdef, params, rest = nnx.split(model, nnx.Param, ...)
+    here = jaxcomm.local_params(optimizer.opt_state, like=params)
+
+    def loss(p):
+        logits = nnx.merge(mdef, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return jax.grad(loss)(here)
+
+
 def test_nnx_optimizer_with_diloco_matches_plain_optax():
-    def grads_at_local(model, optimizer, x, y):
-        mdef, params, rest = nnx.split(model, nnx.Param, ...)
-        here = jaxcomm.local_params(optimizer.opt_state, like=params)
-
-        def loss(p):
-            logits = nnx.merge(mdef, p, rest)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        return jax.grad(loss)(here)
-
-    ours, _, specs, optimizer = _nnx_container_run(_diloco(), grads_at_local)
+    ours, _, specs, optimizer = _nnx_container_run(_diloco(), _grads_at_local)
     row_specs = {
         jax.tree_util.keystr(path): spec
         for path, spec in jax.tree_util.tree_leaves_with_path(
@@ -357,6 +358,31 @@ def test_nnx_optimizer_with_diloco_matches_plain_optax():
     # Two steps past the last sync, every device's own params differ.
     rows = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(optimizer)["opt_state"]["local"]))
     assert all(r.shape[0] == N and np.abs(r - r[:1]).max() > 0 for r in rows)
+
+
+def test_nnx_optimizer_with_double_buffered_matches_plain_optax():
+    # The model holds the synced params; the state each device's predicted
+    # params and its previous gradient (PerDevice rows) and AdamW's state,
+    # the same on every device.
+    def tx():
+        return jaxcomm.double_buffered(optax.adamw(1e-2), "data", wire_dtype="bfloat16")
+
+    ours, stats, specs, _ = _nnx_container_run(tx(), _grads_at_local)
+    row_specs = {
+        jax.tree_util.keystr(path): spec
+        for path, spec in jax.tree_util.tree_leaves_with_path(
+            specs, is_leaf=lambda s: isinstance(s, P)
+        )
+    }
+    rows = [k for k in row_specs if "'local'" in k or "'buffer'" in k]
+    assert rows and all(row_specs[k] == P("data") for k in rows)
+    assert all(v == P() for k, v in row_specs.items() if k not in rows)
+    want = _nnx_functional_run(tx(), "", at_local=True)
+    init = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)))
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, init)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert np.abs(a - c).max() > 1e-3
+    assert int(stats.collectives) >= 1
 
 
 def test_local_params_like_names_a_mismatched_leaf():

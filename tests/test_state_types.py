@@ -35,6 +35,9 @@ def _transforms():
         "powersgd": optax.chain(jaxcomm.powersgd("data", rank=2), sgd),
         "powersgd start 2": optax.chain(jaxcomm.powersgd("data", rank=2, start_step=2), sgd),
         "diloco": jaxcomm.diloco(optax.adam(1e-3), sgd, "data", sync_every=2),
+        "double_buffered": jaxcomm.double_buffered(
+            optax.adamw(1e-3), "data", wire_dtype=jnp.bfloat16
+        ),
     }
 
 

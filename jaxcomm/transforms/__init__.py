@@ -7,7 +7,9 @@ from jaxcomm.transforms.accumulate import AccumulateState, accumulate
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.data_parallel import data_parallel
-from jaxcomm.transforms.diloco import DiLoCoState, diloco, local_params
+from jaxcomm.transforms.diloco import DiLoCoState, diloco
+from jaxcomm.transforms.double_buffered import DoubleBufferedState, double_buffered
+from jaxcomm.transforms.local_params import local_params
 from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 from jaxcomm.transforms.sparseloco import SparseOuter, sparse_outer, sparseloco
 
@@ -17,6 +19,7 @@ __all__ = [
     "AllReduceGradientsState",
     "ChunkSparseState",
     "DiLoCoState",
+    "DoubleBufferedState",
     "CommStats",
     "PerDevice",
     "PowerSGDState",
@@ -26,6 +29,7 @@ __all__ = [
     "chunk_sparse",
     "data_parallel",
     "diloco",
+    "double_buffered",
     "get_stats",
     "local_params",
     "plan_buckets",

@@ -86,7 +86,8 @@ def allreduce_gradients(
         step 0), so the collective can run under the step's forward and backward
         passes (ffi on CPU, GPU). The stale step costs quality: 0.7 points on the
         digits MLP (momentum SGD), +26% validation loss around AdamW on
-        examples/lm, no fix found (docs/design.md, "Double buffering").
+        examples/lm; :func:`jaxcomm.double_buffered` overlaps the same exchange
+        without the stale step (docs/double_buffering.md).
       check_finite: set ``stats.nonfinite`` if the reduced gradient holds an inf or
         NaN, at the cost of one more read of it; ``False`` always reports False.
 

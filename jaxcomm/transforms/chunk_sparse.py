@@ -79,7 +79,7 @@ def chunk_sparse(
     see docs/design.md, "Chunk-sparse communication". Around Adam(W) what costs
     quality is how few coordinates step: on examples/lm density 0.15 ends 10-12%
     above dense, density 0.6 over ``wire_dtype="float8_e4m3fn"`` within 2% for
-    fewer bytes (docs/lm.md).
+    fewer bytes (docs/chunk_sparse.md).
 
     Args:
       inner: the optimizer to run on the exchanged gradient; it sees zeros off the

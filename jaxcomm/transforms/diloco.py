@@ -17,7 +17,7 @@ on each device.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jaxcomm._sync_schedule import (
 from jaxcomm.collectives import reduction, to_varying
 from jaxcomm.transforms import _state
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
+from jaxcomm.transforms.local_params import holds_local_params
 from jaxcomm.transforms.sparseloco import SparseOuter
 
 
@@ -75,6 +76,7 @@ class DiLoCoState(NamedTuple):
 
 
 _state.per_device_fields(DiLoCoState, "local", "inner", "error", "kept")
+holds_local_params(DiLoCoState, "diloco")
 
 
 def diloco(
@@ -193,7 +195,7 @@ def diloco(
       Douillard et al., `Streaming DiLoCo with overlapping communication: Towards a
       Distributed Free Lunch <https://arxiv.org/abs/2501.18512>`_, 2025
     """
-    _check_optimizer("inner", inner)
+    _validate.check_optimizer("inner", inner)
     if isinstance(outer, SparseOuter):
         if error_feedback:
             raise ValueError(
@@ -361,58 +363,12 @@ def diloco(
     return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
 
 
-def local_params(opt_state, like=None):
-    """This device's params in the state of a :func:`diloco` (inside ``shard_map``).
-
-    Take the gradient at these: they are what this device's inner steps
-    moved since the last sync. Works on the state of an ``optax.chain`` or any
-    nesting of it, like :func:`jaxcomm.get_stats`, and on a Flax
-    ``nnx.Optimizer``'s ``opt_state``. Outside ``shard_map``,
-    ``state.local.value`` holds every device's params, one row per device.
-
-    Args:
-      opt_state: the optimizer state holding one diloco state.
-      like: optional tree with the params' structure (for Flax NNX,
-        ``nnx.state(model, nnx.Param)``); the values come back in it, so
-        ``nnx.merge`` takes them as the model's params.
-    """
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
-        if isinstance(s, DiLoCoState)
-    ]
-    if len(found) != 1:
-        raise ValueError(f"expected one diloco state in the state, found {len(found)}")
-    rows = {jnp.shape(x)[0] for x in jax.tree.leaves(found[0].local.value)}
-    if rows - {1}:
-        raise ValueError(
-            f"local_params reads this device's row, but the state holds {max(rows)} rows: "
-            "call it inside jax.shard_map / jax.pmap, where each device sees its own"
-        )
-    local = _state.local(found[0].local)
-    if like is None:
-        return local
-    values, want = jax.tree.leaves(local), jax.tree.structure(like)
-    if len(values) != want.num_leaves:
-        raise ValueError(
-            f"local_params: like has {want.num_leaves} leaves but the diloco state holds "
-            f"{len(values)} params"
-        )
-    for (path, leaf), value in zip(jax.tree_util.tree_leaves_with_path(like), values, strict=True):
-        if jnp.shape(leaf) != jnp.shape(value):
-            raise ValueError(
-                f"local_params: like{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} "
-                f"but the diloco state's param there has {jnp.shape(value)}"
-            )
-    return jax.tree.unflatten(want, values)
-
-
 class _OptaxOuter:
     """DiLoCo's outer step: any optax optimizer on the averaged pseudo-gradient,
     which travels dense, in ``bucket_bytes`` buckets (:func:`jaxcomm.allreduce`)."""
 
     def __init__(self, outer, *, error_feedback: bool = False):
-        _check_optimizer("outer", outer)
+        _validate.check_optimizer("outer", outer)
         self.outer = outer
         self.error_feedback = error_feedback
 
@@ -630,10 +586,3 @@ def _check_mixing(mixing) -> float:
             "keeps when an outer update lands (0 takes the global params)"
         )
     return float(mixing)
-
-
-def _check_optimizer(name: str, tx: Any) -> None:
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
-            f"{name}={tx!r} must be an optax.GradientTransformation, e.g. optax.sgd(0.1)"
-        )
