@@ -312,6 +312,10 @@ TRAIN_CONFIGS = (
     "chunk_sparse_ffi",
     "unfused_ffi",
     "double_buffering_unfused_ffi",
+    # jaxcomm.double_buffered: the same overlapped exchange, each gradient
+    # taken where it will be applied.
+    "dga_ffi",
+    "dga_unfused_ffi",
     "compute",
 )
 
@@ -351,6 +355,9 @@ def gradient_exchange(config: str, inner, axes=AXES):
         return optax.chain(
             jaxcomm.powersgd(axes, rank=4, start_step=0, mask=None, backend="xla"), inner
         )
+    if config in ("dga", "dga_unfused"):
+        unfused = {"bucket_bytes": 0} if config == "dga_unfused" else {}
+        return jaxcomm.double_buffered(inner, axes, backend=backend, **unfused)
     if config == "diloco_h10":
         # The DiLoCo paper's outer optimizer (bench/quality_worker.py's default).
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -359,9 +366,16 @@ def gradient_exchange(config: str, inner, axes=AXES):
     return jaxcomm.chunk_sparse(inner, axes, density=0.15, wire_dtype=wire, backend=backend)
 
 
-def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False):
+def takes_local_params(config: str) -> bool:
+    """Whether the configuration's state holds the params at which each
+    device takes its gradient (``jaxcomm.local_params``)."""
+    return config.startswith(("diloco", "dga"))
+
+
+def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False, local=False):
     """The step of one configuration: local gradients, exchange over ``axes``,
-    update. ``fsdp``: the params are this device's shards (``FSDP_SPECS``)."""
+    update. ``fsdp``: the params are this device's shards (``FSDP_SPECS``);
+    ``local``: the gradient is taken at ``jaxcomm.local_params``."""
     import jax
     import optax
 
@@ -376,7 +390,8 @@ def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False):
     def step(params, opt_state, x, y):
         # This device's own gradient, so the exchange is the only
         # communication of the step.
-        loss, grads = jaxcomm.local_value_and_grad(loss_fn, axes)(params, x, y)
+        at = jaxcomm.local_params(opt_state) if local else params
+        loss, grads = jaxcomm.local_value_and_grad(loss_fn, axes)(at, x, y)
         if tx is None:
             grads = jax.lax.pmean(grads, axes) if communicate else grads
             updates, opt_state = inner.update(grads, opt_state, params)
@@ -508,7 +523,9 @@ def run_train(args):
                 jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),), out_specs=specs)
             )
             opt_state = shapes if fsdp else init(params0)
-            step = train_step(tx, inner, config != "compute", axes, fsdp)
+            step = train_step(
+                tx, inner, config != "compute", axes, fsdp, local=takes_local_params(config)
+            )
             run = jax.jit(
                 jax.shard_map(
                     step,

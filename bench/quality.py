@@ -38,7 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # model -> (program, its extra arguments, the configurations run by default).
 LM_CONFIGS = (
-    "dense,bf16,fp16+ef,int8+ef,int4+ef,fp16+db,csc,csc+fp8,powersgd,diloco,diloco+delay,sparseloco"
+    "dense,bf16,fp16+ef,int8+ef,int4+ef,fp16+db,fp16+dga,csc,csc+fp8,powersgd,diloco,"
+    "diloco+delay,sparseloco"
 )
 MODELS = {
     "lm": ("examples/lm/main.py", [], LM_CONFIGS),
@@ -47,7 +48,7 @@ MODELS = {
         ["--layers", "3", "--width", "96", "--lr", "2e-3"],
         LM_CONFIGS,
     ),
-    "digits": ("examples/digits/main.py", [], "dense,fp16,fp16+db,csc"),
+    "digits": ("examples/digits/main.py", [], "dense,fp16,fp16+db,fp16+dga,csc"),
 }
 BASELINE = "dense"
 TARGETS = (0.02, 0.03)  # relative validation loss against dense (the LMs)

@@ -27,7 +27,7 @@ def test_one_epoch_of_every_configuration(tmp_path, capsys):
     argv += ["--out-dir", str(tmp_path / "plots"), "--plot", "loss.png"]
     assert main.main(argv) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"dense", "fp16", "fp16+db", "fused", "hierarchical", "csc"}
+    assert set(rows) == {"dense", "fp16", "fp16+db", "fp16+dga", "fused", "hierarchical", "csc"}
     for r in rows.values():
         assert r["accuracy_pct"] > 50, r  # one epoch is far above chance (10%)
     assert rows["fp16"]["bytes_ratio"] == 0.5

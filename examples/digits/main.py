@@ -30,6 +30,8 @@ own. Double buffering over a float32 wire spikes the same way (to 2.15 in
 steps 25-60 for both, seed 0); with a smaller step (lr 0.02, or momentum
 0.8) there is no spike in the first 66 steps, but the start is slower:
 stale gradients want a smaller learning rate than fresh ones.
+``fp16+dga`` (``jaxcomm.double_buffered``) overlaps the same exchange with
+each gradient taken where it will be applied, and does not spike.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--configs",
-        default="dense,fp16,fp16+db,fused,hierarchical,csc",
-        help="comma-separated: dense, fp16, fp16+db, fused, hierarchical, csc",
+        default="dense,fp16,fp16+db,fp16+dga,fused,hierarchical,csc",
+        help="comma-separated: dense, fp16, fp16+db, fp16+dga, fused, hierarchical, csc",
     )
     p.add_argument(
         "--seeds", default="0,1,2", help="comma-separated seeds (accuracy is their mean)"
@@ -198,6 +200,7 @@ STYLES = {
     "dense": dict(color="black", lw=2.4, alpha=0.35),
     "fp16": dict(color="tab:orange", ls="--", marker="o"),
     "fp16+db": dict(color="tab:green", ls="-", marker=None),
+    "fp16+dga": dict(color="tab:olive", ls="-", marker=None),
     "fused": dict(color="tab:red", ls=":", marker="s"),
     "hierarchical": dict(color="tab:purple", ls="-.", marker="^"),
     "csc": dict(color="tab:brown", ls="-", marker="D"),

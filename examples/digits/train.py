@@ -33,6 +33,9 @@ class Comm:
     Attributes:
       wire_dtype: None (float32), "float16" or "bfloat16".
       double_buffering: apply the previous step's reduced gradient.
+      dga: double buffering through ``jaxcomm.double_buffered``: each
+        gradient taken at this device's prediction of the params it will be
+        applied to.
       bucket_bytes: fusion threshold (None: jaxcomm's default for the backend).
       hierarchical: reduce over a (node, local) = (2, N/2) mesh.
       density: chunk-sparse exchange of this fraction of chunks (None: dense).
@@ -43,6 +46,7 @@ class Comm:
 
     wire_dtype: str | None = None
     double_buffering: bool = False
+    dga: bool = False
     bucket_bytes: float | None = None
     hierarchical: bool = False
     density: float | None = None
@@ -57,6 +61,7 @@ def configurations(*, bucket_bytes: float, density: float, warmup_steps: int) ->
         "dense": Comm(),
         "fp16": Comm(wire_dtype="float16"),
         "fp16+db": Comm(wire_dtype="float16", double_buffering=True),
+        "fp16+dga": Comm(wire_dtype="float16", dga=True),
         "fused": Comm(bucket_bytes=bucket_bytes, backend="ffi"),
         "hierarchical": Comm(hierarchical=True),
         "csc": Comm(density=density, warmup_steps=warmup_steps),
@@ -121,15 +126,17 @@ def make_optimizer(run: Run, axes) -> optax.GradientTransformation:
             wire_dtype=comm.wire_dtype,
             backend=comm.backend,
         )
-    reduce = jaxcomm.allreduce_gradients(
-        axes,
+    options = dict(
         wire_dtype=comm.wire_dtype,
-        double_buffering=comm.double_buffering,
         bucket_bytes=comm.bucket_bytes,
         algorithm="hierarchical" if comm.hierarchical else "auto",
         backend=comm.backend,
     )
-    return optax.chain(reduce, optax.sgd(run.lr, momentum=run.momentum))
+    sgd = optax.sgd(run.lr, momentum=run.momentum)
+    if comm.dga:
+        return jaxcomm.double_buffered(sgd, axes, **options)
+    reduce = jaxcomm.allreduce_gradients(axes, double_buffering=comm.double_buffering, **options)
+    return optax.chain(reduce, sgd)
 
 
 def _loss(graphdef, params, x, y):
@@ -137,14 +144,17 @@ def _loss(graphdef, params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-def make_step(graphdef, tx, mesh, axes, state_specs):
-    """jit(shard_map(step)): params replicated, batch split over `axes`."""
+def make_step(graphdef, tx, mesh, axes, state_specs, *, local: bool = False):
+    """jit(shard_map(step)): params replicated, batch split over `axes`; with
+    ``local`` (``double_buffered``) the gradient is taken at this device's
+    params in the optimizer state."""
 
     def step(params, opt_state, x, y):
+        at = jaxcomm.local_params(opt_state, like=params) if local else params
         # This device's own gradient (jax.grad of replicated params would sum
         # it over the devices), so the jaxcomm transform does the only
         # communication.
-        loss, grads = jaxcomm.local_value_and_grad(_loss, axes, argnums=1)(graphdef, params, x, y)
+        loss, grads = jaxcomm.local_value_and_grad(_loss, axes, argnums=1)(graphdef, at, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.lax.pmean(loss, axes)
@@ -160,9 +170,10 @@ def make_step(graphdef, tx, mesh, axes, state_specs):
     )
 
 
-def make_pmap_step(graphdef, tx):
+def make_pmap_step(graphdef, tx, *, local: bool = False):
     def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, params, x, y)
+        at = jaxcomm.local_params(opt_state, like=params) if local else params
+        loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, at, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
 
@@ -202,7 +213,7 @@ def train(run: Run, *, progress=None) -> dict:
         replicate = lambda t: jax.tree.map(lambda v: np.broadcast_to(v, (n, *v.shape)), t)  # noqa: E731
         params = replicate(jax.tree.map(np.asarray, params))
         opt_state = jax.pmap(tx.init, axis_name="data")(params)
-        step = make_pmap_step(graphdef, tx)
+        step = make_pmap_step(graphdef, tx, local=run.comm.dga)
 
         def put(v):
             return v.reshape(n, -1, *v.shape[1:])
@@ -212,7 +223,7 @@ def train(run: Run, *, progress=None) -> dict:
         specs = jaxcomm.state_specs(opt_state, axes)
         opt_state = jax.device_put(opt_state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         params = jax.device_put(params, NamedSharding(mesh, P()))
-        step = make_step(graphdef, tx, mesh, axes, specs)
+        step = make_step(graphdef, tx, mesh, axes, specs, local=run.comm.dga)
         batch_sharding = NamedSharding(mesh, P(axes))
 
         def put(v):

@@ -45,6 +45,9 @@ class Comm:
       wire_dtype: None (float32), "float16", "bfloat16" or "float8_e4m3fn".
       error_feedback: keep what the wire cast dropped for the next step.
       double_buffering: apply the previous step's reduced gradient.
+      dga: double buffering through ``jaxcomm.double_buffered``, each
+        gradient taken at this device's prediction of the params it will be
+        applied to (with ``wire_dtype`` and ``error_feedback``).
       delay_compensation: λ of the DC-ASGD correction of a double-buffered
         gradient (None: none); see delay.py.
       weight_prediction: take the gradient at ``2 w_t - w_{t-1}``, the
@@ -74,6 +77,7 @@ class Comm:
     wire_dtype: str | None = None
     error_feedback: bool = False
     double_buffering: bool = False
+    dga: bool = False
     delay_compensation: float | None = None
     weight_prediction: bool = False
     density: float | None = None
@@ -108,6 +112,9 @@ CONFIGURATIONS = {
     "fp16+db": Comm(wire_dtype="float16", double_buffering=True),
     "db+dc": Comm(double_buffering=True, delay_compensation=1.0),
     "db+wp": Comm(double_buffering=True, weight_prediction=True),
+    # Double buffering as jaxcomm recommends it around AdamW (docs/double_buffering.md).
+    "dga": Comm(dga=True),
+    "fp16+dga": Comm(wire_dtype="float16", dga=True),
     "csc": Comm(density=0.15),
     # The same bytes or fewer spent on more chunks: what keeps AdamW within
     # 2% of dense (docs/lm.md).
@@ -175,6 +182,10 @@ def make_optimizer(run: Run) -> optax.GradientTransformation:
             delay=comm.delay,
             mixing=comm.mixing,
             wire_dtype=comm.wire_dtype,
+        )
+    if comm.dga:
+        return jaxcomm.double_buffered(
+            adamw, AXIS, wire_dtype=comm.wire_dtype, error_feedback=comm.error_feedback
         )
     if comm.powersgd:
         rank = {} if comm.powersgd_rank is None else {"rank": comm.powersgd_rank}
@@ -264,8 +275,9 @@ def make_step(
     over "fsdp"), windows split over the devices.
 
     The step takes and returns the previous parameters too (unused unless
-    ``weight_prediction``). With ``local`` (DiLoCo) the gradient is taken at
-    this device's own params, which live in the optimizer state.
+    ``weight_prediction``). With ``local`` (DiLoCo, ``double_buffered``) the
+    gradient is taken at this device's own params, which live in the
+    optimizer state.
     """
     fsdp = dict(mesh.shape).get(FSDP, 1)
     specs = P() if specs is None else specs
@@ -363,7 +375,7 @@ def train(run: Run, *, progress=None, corpus: data.Corpus | None = None) -> dict
         specs,
         weight_prediction=run.comm.weight_prediction,
         specs=pspecs,
-        local=run.comm.sync_every is not None,
+        local=run.comm.sync_every is not None or run.comm.dga,
     )
     previous = params
     evaluate = make_eval(graphdef, mesh, pspecs)
