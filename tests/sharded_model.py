@@ -70,14 +70,21 @@ def place(params: dict, m, specs=None) -> dict:
     return {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in params.items()}
 
 
-def train_step(tx, m, state_specs):
+def _at(params, opt_state, local: bool):
+    """Where the gradient is taken: the params, or with `local` this
+    device's own in the state (diloco, double_buffered)."""
+    return jaxcomm.local_params(opt_state, like=params) if local else params
+
+
+def train_step(tx, m, state_specs, *, local: bool = False):
     """The jitted shard_map step over both axes: each device holds its
     shards and its own rows of the batch (split over both axes, as FSDP
     splits it), takes its own gradient over "data" (jaxcomm.local_grad) and
     hands it to `tx`."""
 
     def step(params, opt_state, x, y):
-        grads = jaxcomm.local_grad(shard_loss, "data")(params, x, y)
+        at = _at(params, opt_state, local)
+        grads = jaxcomm.local_grad(shard_loss, "data")(at, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -91,9 +98,10 @@ def train_step(tx, m, state_specs):
     )
 
 
-def run(tx, m, steps: int, seed: int = 0, *, start=None, skip: int = 0):
+def run(tx, m, steps: int, seed: int = 0, *, start=None, skip: int = 0, local: bool = False):
     """(params after `steps` steps, final state, the batches), one step in
-    flight. `start`: (params, state) to go on from, after `skip` steps."""
+    flight. `start`: (params, state) to go on from, after `skip` steps;
+    `local`: the gradient taken at jaxcomm.local_params."""
     data = batches(steps)
     with jax.set_mesh(m):
         params = place(init_params(seed), m)
@@ -101,7 +109,7 @@ def run(tx, m, steps: int, seed: int = 0, *, start=None, skip: int = 0):
         if start is not None:
             params, opt_state = start
         specs = jaxcomm.state_specs(opt_state, "data")
-        step = train_step(tx, m, specs)
+        step = train_step(tx, m, specs, local=local)
         for x, y in data[skip:]:
             x, y = jax.device_put((x, y), NamedSharding(m, ROWS))
             params, opt_state = jax.block_until_ready(step(params, opt_state, x, y))
@@ -122,7 +130,7 @@ def reference(tx, data, seed: int = 0, *, delay: int = 0):
     return params
 
 
-def run_replicated(tx, data: int, steps: int, seed: int = 0):
+def run_replicated(tx, data: int, steps: int, seed: int = 0, *, local: bool = False):
     """The same training with the params whole on every device of a
     ("data",) mesh of `data` devices: each device's gradient is of the rows
     its data row of the sharded mesh holds, so a transform on the sharded
@@ -130,7 +138,7 @@ def run_replicated(tx, data: int, steps: int, seed: int = 0):
     m = jax.make_mesh((data,), ("data",), devices=jax.devices()[:data])
 
     def step(params, opt_state, x, y):
-        grads = jaxcomm.local_grad(global_loss, "data")(params, x, y)
+        grads = jaxcomm.local_grad(global_loss, "data")(_at(params, opt_state, local), x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -145,6 +145,25 @@ def test_diloco_overlapped_delay_on_a_sharded_model(shape):
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}_fsdp{s[1]}")
+def test_double_buffered_on_a_sharded_model(shape):
+    """Each device's predicted params are its shards (P("data", *spec));
+    the run matches the same transform on the whole params of a data-only
+    mesh, whose devices take the same rows."""
+    data, _ = shape
+
+    def tx():
+        return jaxcomm.double_buffered(optax.adamw(1e-2), "data", wire_dtype="bfloat16")
+
+    params, state, _ = sm.run(tx(), sm.mesh(*shape), 4, local=True)
+    want = sm.run_replicated(tx(), data, 4, local=True)
+    _close(params, jax.tree.map(np.asarray, want), 1e-5, 1e-6)
+    _same_over_data(params)
+    for k, spec in sm.SPECS.items():
+        want, got = ("data", *spec), tuple(state.local.value[k].sharding.spec)
+        assert got[: len(want)] == want and not any(got[len(want) :]), (k, got)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}_fsdp{s[1]}")
 def test_powersgd_at_full_rank_is_dense(shape):
     """Rank min(rows, cols): P Q^T is the gradient itself (w1 split by rows,
     w2 by columns, b averaged densely)."""
