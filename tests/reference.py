@@ -88,3 +88,46 @@ def ring_float32(xs: np.ndarray, wire, prescale=1.0, postscale=1.0) -> np.ndarra
             partial = acc[receiver, s] + sent.astype(acc_t)
         out[s] = (saturate(partial, wire, prescale) * acc_t(postscale)).astype(wire).astype(acc_t)
     return out
+
+
+# -- optax's optimizers rewritten in float64, on dicts of NumPy arrays --------
+
+
+class Sgd:
+    """optax.sgd(lr, momentum): ``trace <- g + momentum trace``, step ``-lr trace``."""
+
+    def __init__(self, lr: float, momentum: float = 0.0):
+        self.lr, self.momentum = lr, momentum
+
+    def init(self, shapes: dict):
+        return {k: np.zeros(s) for k, s in shapes.items()}
+
+    def update(self, g: dict, trace: dict):
+        trace = {k: g[k] + self.momentum * trace[k] for k in g}
+        return {k: -self.lr * trace[k] for k in g}, trace
+
+
+class Adam:
+    """optax.adam(lr): bias-corrected moments, ``eps`` outside the root."""
+
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    def init(self, shapes: dict):
+        zeros = {k: np.zeros(s) for k, s in shapes.items()}
+        return 0, zeros, dict(zeros)
+
+    def update(self, g: dict, state):
+        t, mu, nu = state
+        t += 1
+        mu = {k: self.b1 * mu[k] + (1 - self.b1) * g[k] for k in g}
+        nu = {k: self.b2 * nu[k] + (1 - self.b2) * g[k] ** 2 for k in g}
+        u = {
+            k: -self.lr
+            * (mu[k] / (1 - self.b1**t))
+            / (np.sqrt(nu[k] / (1 - self.b2**t)) + self.eps)
+            for k in g
+        }
+        return u, (t, mu, nu)

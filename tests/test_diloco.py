@@ -32,6 +32,8 @@ from jaxcomm._sync_schedule import applies, syncs
 from jaxcomm.collectives import _peers
 from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
 from tests.harness import mesh_of
+from tests.reference import Adam as NpAdam
+from tests.reference import Sgd as NpSgd
 
 N = 8
 SHAPES = {"bias": (), "w_a": (5,), "w_b": (2, 4), "w_c": (7,)}  # tree order: sorted keys
@@ -79,34 +81,6 @@ def _np_grad(p, x, y):
 # -- the reference optimizers (optax's definitions, in float64) -------------
 
 
-class NpSgd:
-    def init(self, keys):
-        return None
-
-    def update(self, g, state):
-        return {k: -INNER_LR * v for k, v in g.items()}, state
-
-
-class NpAdam:
-    b1, b2, eps = 0.9, 0.999, 1e-8
-
-    def init(self, keys):
-        return 0, {k: np.zeros(SHAPES[k]) for k in keys}, {k: np.zeros(SHAPES[k]) for k in keys}
-
-    def update(self, g, state):
-        t, mu, nu = state
-        t += 1
-        mu = {k: self.b1 * mu[k] + (1 - self.b1) * g[k] for k in g}
-        nu = {k: self.b2 * nu[k] + (1 - self.b2) * g[k] ** 2 for k in g}
-        u = {
-            k: -INNER_LR
-            * (mu[k] / (1 - self.b1**t))
-            / (np.sqrt(nu[k] / (1 - self.b2**t)) + self.eps)
-            for k in g
-        }
-        return u, (t, mu, nu)
-
-
 class NpNesterov:
     def init(self, keys):
         return {k: np.zeros(SHAPES[k]) for k in keys}
@@ -126,7 +100,7 @@ def reference(inner, params, x, y, *, sync_every, fragments, delay=0, mixing=0.0
     groups, offsets = FRAGMENTS[fragments], OFFSETS[sync_every, fragments]
     glob = {k: v.astype(np.float64) for k, v in params.items()}
     local = [dict(glob) for _ in range(N)]
-    inner_states = [inner.init(NAMES) for _ in range(N)]
+    inner_states = [inner.init(SHAPES) for _ in range(N)]
     outer = NpNesterov()
     outer_states = [outer.init(names) for names in groups]
     pending, synced_at = [None] * len(groups), [None] * len(groups)
@@ -219,11 +193,18 @@ def _diloco(inner, **options):
 # name -> (inner, its reference, sync_every, fragments, options, collectives per
 # sync: "leaf" one per leaf synced, else that number).
 CASES = {
-    "adam_xla": (optax.adam(INNER_LR), NpAdam(), 4, 1, {"backend": "xla"}, "leaf"),
-    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(), 4, 1, {"backend": "ffi"}, 1),  # one 4 MiB bucket
+    "adam_xla": (optax.adam(INNER_LR), NpAdam(INNER_LR), 4, 1, {"backend": "xla"}, "leaf"),
+    "sgd_ffi": (
+        optax.sgd(INNER_LR),
+        NpSgd(INNER_LR),
+        4,
+        1,
+        {"backend": "ffi"},
+        1,
+    ),  # one 4 MiB bucket
     "streaming_adam_xla_fused": (
         optax.adam(INNER_LR),
-        NpAdam(),
+        NpAdam(INNER_LR),
         6,
         3,
         {"backend": "xla", "bucket_bytes": math.inf},
@@ -231,7 +212,7 @@ CASES = {
     ),
     "streaming_sgd_ffi_unfused": (
         optax.sgd(INNER_LR),
-        NpSgd(),
+        NpSgd(INNER_LR),
         6,
         3,
         {"backend": "ffi", "bucket_bytes": 0},
@@ -333,7 +314,7 @@ def test_delay_and_mixing_match_the_float64_reference(
     )
     p, state = jax.device_put(params, NamedSharding(mesh, P())), _put(state, mesh, specs)
     want = reference(
-        NpAdam(),
+        NpAdam(INNER_LR),
         params,
         x,
         y,

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests import reference as reference_opt
 from tests.harness import mesh_of
 
 N = 8
@@ -70,49 +71,13 @@ def _mean(trees):
     return {k: np.mean([t[k] for t in trees], axis=0) for k in trees[0]}
 
 
-# -- optax's optimizers in float64 -------------------------------------------
-
-
-class NpSgd:
-    def init(self):
-        return None
-
-    def update(self, g, state):
-        return {k: -LR * v for k, v in g.items()}, state
-
-
-class NpMomentum:
-    def init(self):
-        return {k: np.zeros(s) for k, s in SHAPES.items()}
-
-    def update(self, g, trace):
-        trace = {k: g[k] + MOMENTUM * trace[k] for k in g}
-        return {k: -LR * trace[k] for k in g}, trace
-
-
-class NpAdam:
-    b1, b2, eps = 0.9, 0.999, 1e-8
-
-    def init(self):
-        zeros = {k: np.zeros(s) for k, s in SHAPES.items()}
-        return 0, zeros, zeros
-
-    def update(self, g, state):
-        t, mu, nu = state
-        t += 1
-        mu = {k: self.b1 * mu[k] + (1 - self.b1) * g[k] for k in g}
-        nu = {k: self.b2 * nu[k] + (1 - self.b2) * g[k] ** 2 for k in g}
-        u = {
-            k: -LR * (mu[k] / (1 - self.b1**t)) / (np.sqrt(nu[k] / (1 - self.b2**t)) + self.eps)
-            for k in g
-        }
-        return u, (t, mu, nu)
-
-
 OPTIMIZERS = {
-    "sgd": (lambda: optax.sgd(LR), NpSgd),
-    "momentum": (lambda: optax.sgd(LR, momentum=MOMENTUM), NpMomentum),
-    "adam": (lambda: optax.adam(LR), NpAdam),
+    "sgd": (lambda: optax.sgd(LR), lambda: reference_opt.Sgd(LR)),
+    "momentum": (
+        lambda: optax.sgd(LR, momentum=MOMENTUM),
+        lambda: reference_opt.Sgd(LR, momentum=MOMENTUM),
+    ),
+    "adam": (lambda: optax.adam(LR), lambda: reference_opt.Adam(LR)),
 }
 
 
@@ -120,7 +85,7 @@ def reference(opt, x, y):
     """The docstring's recurrence in float64: per step (synced params, every
     device's local params)."""
     params = {k: v.astype(np.float64) for k, v in _params().items()}
-    state = opt.init()
+    state = opt.init(SHAPES)
     local = [dict(params) for _ in range(N)]
     previous = None
     out = []
@@ -156,7 +121,7 @@ def dga_sgd(x, y):
 def synchronous(opt, x, y):
     """Data-parallel training on the mean gradient: params after each step."""
     params = {k: v.astype(np.float64) for k, v in _params().items()}
-    state = opt.init()
+    state = opt.init(SHAPES)
     out = []
     for s in range(STEPS):
         g = _mean([_np_grad(params, x[s, d], y[s, d]) for d in range(N)])
@@ -251,9 +216,9 @@ def test_linear_problem_and_optimizer_follow_synchronous_training_one_step_behin
 
 def reference_stale(x, y):
     """allreduce_gradients(double_buffering=True) then momentum SGD, float64."""
-    opt = NpMomentum()
+    opt = reference_opt.Sgd(LR, momentum=MOMENTUM)
     params = {k: v.astype(np.float64) for k, v in _params().items()}
-    state, previous, out = opt.init(), None, []
+    state, previous, out = opt.init(SHAPES), None, []
     for s in range(STEPS):
         grads = [_np_grad(params, x[s, d], y[s, d]) for d in range(N)]
         if previous is not None:
