@@ -337,24 +337,36 @@ def _grads_at_local(model, optimizer, x, y):
     return jax.grad(loss)(here)
 
 
-def test_nnx_optimizer_with_diloco_matches_plain_optax():
-    ours, _, specs, optimizer = _nnx_container_run(_diloco(), _grads_at_local)
+def _check_rows_per_device(specs, fields):
+    """The state's leaves under `fields` (by name) are one row per device,
+    P("data"); every other leaf is P()."""
     row_specs = {
         jax.tree_util.keystr(path): spec
         for path, spec in jax.tree_util.tree_leaves_with_path(
             specs, is_leaf=lambda s: isinstance(s, P)
         )
     }
-    local = [k for k in row_specs if "'local'" in k or "'inner'" in k]
-    assert local and all(row_specs[k] == P("data") for k in local)
-    assert all(v == P() for k, v in row_specs.items() if k not in local)
+    rows = [k for k in row_specs if any(f"'{f}'" in k for f in fields)]
+    assert rows and all(row_specs[k] == P("data") for k in rows)
+    assert all(v == P() for k, v in row_specs.items() if k not in rows)
 
-    # The same transform on pure pytrees, as docs/diloco.md writes the step.
-    want = _nnx_functional_run(_diloco(), "", at_local=True)
+
+def _check_like_the_functional_run(ours, make_tx):
+    """`ours` equals the same transform on pure pytrees, the gradient taken
+    at local_params, and every leaf moved from its initial value."""
+    want = _nnx_functional_run(make_tx(), "", at_local=True)
     init = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)))
     for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, init)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert np.abs(a - c).max() > 1e-3  # STEPS = 6 > sync_every: the outer step moved them
+        assert np.abs(a - c).max() > 1e-3
+
+
+def test_nnx_optimizer_with_diloco_matches_plain_optax():
+    ours, _, specs, optimizer = _nnx_container_run(_diloco(), _grads_at_local)
+    _check_rows_per_device(specs, ("local", "inner"))
+    # The same transform on pure pytrees, as docs/diloco.md writes the step;
+    # STEPS = 6 > sync_every: the outer step moved every leaf.
+    _check_like_the_functional_run(ours, _diloco)
     # Two steps past the last sync, every device's own params differ.
     rows = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(optimizer)["opt_state"]["local"]))
     assert all(r.shape[0] == N and np.abs(r - r[:1]).max() > 0 for r in rows)
@@ -368,20 +380,8 @@ def test_nnx_optimizer_with_double_buffered_matches_plain_optax():
         return jaxcomm.double_buffered(optax.adamw(1e-2), "data", wire_dtype="bfloat16")
 
     ours, stats, specs, _ = _nnx_container_run(tx(), _grads_at_local)
-    row_specs = {
-        jax.tree_util.keystr(path): spec
-        for path, spec in jax.tree_util.tree_leaves_with_path(
-            specs, is_leaf=lambda s: isinstance(s, P)
-        )
-    }
-    rows = [k for k in row_specs if "'local'" in k or "'buffer'" in k]
-    assert rows and all(row_specs[k] == P("data") for k in rows)
-    assert all(v == P() for k, v in row_specs.items() if k not in rows)
-    want = _nnx_functional_run(tx(), "", at_local=True)
-    init = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)))
-    for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, init)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert np.abs(a - c).max() > 1e-3
+    _check_rows_per_device(specs, ("local", "buffer"))
+    _check_like_the_functional_run(ours, tx)
     assert int(stats.collectives) >= 1
 
 
