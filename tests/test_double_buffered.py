@@ -81,16 +81,18 @@ OPTIMIZERS = {
 }
 
 
-def reference(opt, x, y):
+def reference(opt, x, y, *, at_local: bool = True):
     """The docstring's recurrence in float64: per step (synced params, every
-    device's local params)."""
+    device's local params). ``at_local=False`` takes the gradients at the
+    synced params instead: plain double buffering
+    (``allreduce_gradients(double_buffering=True)`` before ``opt``)."""
     params = {k: v.astype(np.float64) for k, v in _params().items()}
     state = opt.init(SHAPES)
     local = [dict(params) for _ in range(N)]
     previous = None
     out = []
     for s in range(STEPS):
-        grads = [_np_grad(local[d], x[s, d], y[s, d]) for d in range(N)]
+        grads = [_np_grad(local[d] if at_local else params, x[s, d], y[s, d]) for d in range(N)]
         if previous is not None:
             u, state = opt.update(_mean(previous), state)
             params = _add(params, u)
@@ -210,23 +212,8 @@ def test_linear_problem_and_optimizer_follow_synchronous_training_one_step_behin
     for s in range(1, STEPS):
         _close(got[s][0], want[s - 1])
     # Plain double buffering on the same problem does not: its gradient is stale.
-    stale = reference_stale(x.astype(np.float64), y.astype(np.float64))
-    assert np.abs(stale[-1]["w"] - want[-2]["w"]).max() > 1e-3
-
-
-def reference_stale(x, y):
-    """allreduce_gradients(double_buffering=True) then momentum SGD, float64."""
-    opt = reference_opt.Sgd(LR, momentum=MOMENTUM)
-    params = {k: v.astype(np.float64) for k, v in _params().items()}
-    state, previous, out = opt.init(SHAPES), None, []
-    for s in range(STEPS):
-        grads = [_np_grad(params, x[s, d], y[s, d]) for d in range(N)]
-        if previous is not None:
-            u, state = opt.update(_mean(previous), state)
-            params = _add(params, u)
-        previous = grads
-        out.append(params)
-    return out
+    stale = reference(np_opt(), x.astype(np.float64), y.astype(np.float64), at_local=False)
+    assert np.abs(stale[-1][0]["w"] - want[-2]["w"]).max() > 1e-3
 
 
 def test_state_specs_stats_and_wire():
