@@ -194,14 +194,8 @@ def _diloco(inner, **options):
 # sync: "leaf" one per leaf synced, else that number).
 CASES = {
     "adam_xla": (optax.adam(INNER_LR), NpAdam(INNER_LR), 4, 1, {"backend": "xla"}, "leaf"),
-    "sgd_ffi": (
-        optax.sgd(INNER_LR),
-        NpSgd(INNER_LR),
-        4,
-        1,
-        {"backend": "ffi"},
-        1,
-    ),  # one 4 MiB bucket
+    # One 4 MiB bucket.
+    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(INNER_LR), 4, 1, {"backend": "ffi"}, 1),
     "streaming_adam_xla_fused": (
         optax.adam(INNER_LR),
         NpAdam(INNER_LR),
