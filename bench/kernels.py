@@ -1,6 +1,6 @@
-"""CUDA kernel and allreduce benchmark: jaxcomm's GPU kernels against the
-card's device-to-device copy bandwidth, and the FFI allreduce against
-``lax.psum``.
+"""CUDA kernel and allreduce benchmark: jaxcomm's GPU kernels against XLA's
+own fusion of the same work and the card's device-to-device copy bandwidth,
+and the FFI allreduce against ``lax.psum``.
 
 Needs a CUDA GPU and jaxcomm built with its CUDA module (``jaxcomm._ffi_cuda``).
 
@@ -17,13 +17,21 @@ Kernels (one GPU, ``--size`` bytes of float32 input, default 256 MiB):
   norms_f32     per-chunk L1 norms of float32
   norms_bf16    per-chunk L1 norms of bfloat16
 
+Every kernel but copy and xla_scale has an XLA twin in ``XLA_TWINS``: the same
+work in plain ``jax.numpy`` (same inputs, same output values and dtype), timed
+under ``jax.jit`` in the same rounds as the kernel. Where a twin is as fast
+as its kernel, the twin is the one to use.
+
 Bandwidth = bytes the kernel must read plus write, over the median time of
 one call (``jaxcomm.costmodel.time_rounds`` over samples of ``BATCH`` calls
 dispatched back to back and waited for together, so the host round trip of
-each call is not counted; two warm-up samples after the checked call);
-``ratio`` = bandwidth / copy bandwidth (target: at least 0.8).
-Every kernel's output is checked against NumPy on the same buffers it is
-timed on; a mismatch exits with status 1.
+each call is not counted; two warm-up samples after the checked call). The
+twin is credited with the kernel's bytes, so ``vs_xla`` = kernel bandwidth /
+twin bandwidth = twin time / kernel time (target: at least 0.95; the JSON's
+``kernels_below_xla_target`` lists the kernels under it). ``ratio`` =
+bandwidth / copy bandwidth, for comparison with earlier runs.
+Every kernel's and twin's output is checked against NumPy on the same buffers
+it is timed on; a mismatch exits with status 1.
 
 Allreduce (all GPUs of the process, ``--size`` bytes per GPU, float32 sum):
 
@@ -42,6 +50,7 @@ Usage: python bench/kernels.py [--size 256M] [--reps 50] [--json]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -66,15 +75,84 @@ CHUNK = 32768
 BATCH = 10
 
 
-def _time(fn, args, reps: int) -> float:
-    """Median seconds of one call over `reps` samples of BATCH calls each,
+# Target for every kernel's bandwidth over its XLA twin's.
+VS_XLA_TARGET = 0.95
+
+
+# XLA twins: each kernel's work in plain jax.numpy, taking the kernel's
+# arguments and its FFI attributes as keywords, and returning what the kernel
+# returns (values and dtype). tests/test_kernels_bench.py checks them on CPU.
+
+
+def _rows(v, nchunks: int, chunk_size: int):
+    """v zero-padded to whole chunks, one chunk a row. Only the last chunk can
+    be short; its padding adds nothing to a norm, and what pack and unpack
+    move of it lands among the packed zeros or past [:n]."""
+    return jnp.pad(v, (0, nchunks * chunk_size - v.shape[0])).reshape(nchunks, chunk_size)
+
+
+def xla_cast(x, *, dtype, scale):
+    """dtype(x * scale), the product in float32 (float64 if either side is)
+    and then cast, rounding to nearest even: the kernel's two roundings."""
+    wide = jnp.promote_types(jnp.promote_types(x.dtype, dtype), jnp.float32)
+    return (x.astype(wide) * jnp.asarray(scale, wide)).astype(dtype)
+
+
+def xla_pack(x, mask, *, chunk_size):
+    """The selected chunks of x in order at the front, zeros after them."""
+    n, nchunks, chunk_size = x.shape[0], mask.shape[0], int(chunk_size)
+    order = jnp.argsort(~mask, stable=True)  # selected chunks first, in order
+    rows = _rows(x, nchunks, chunk_size).at[order]
+    rows = rows.get(mode="promise_in_bounds", unique_indices=True)
+    kept = jnp.arange(nchunks) < jnp.sum(mask)
+    # A selected short last chunk is packed last, so its padding lands where
+    # the zeros start and [:n] keeps the packed data dense.
+    return jnp.where(kept[:, None], rows, 0).reshape(-1)[:n]
+
+
+def xla_unpack(packed, x, mask, *, chunk_size):
+    """x, except selected chunk c = the chunk at c's packed position."""
+    n, nchunks, chunk_size = x.shape[0], mask.shape[0], int(chunk_size)
+    position = jnp.cumsum(mask, dtype=jnp.int32) - mask  # selected chunks before c
+    from_packed = _rows(packed, nchunks, chunk_size).at[position].get(mode="promise_in_bounds")
+    rows = jnp.where(mask[:, None], from_packed, _rows(x, nchunks, chunk_size))
+    return rows.reshape(-1)[:n]
+
+
+def xla_norms(x, *, chunk_size):
+    """float32 sum of |x| over each chunk; a short last chunk sums what it has."""
+    chunk_size = int(chunk_size)
+    nchunks = -(-x.shape[0] // chunk_size)
+    return jnp.abs(_rows(x.astype(jnp.float32), nchunks, chunk_size)).sum(axis=1)
+
+
+XLA_TWINS = {
+    "cast_bf16": functools.partial(xla_cast, dtype=jnp.bfloat16),
+    "cast_f16": functools.partial(xla_cast, dtype=jnp.float16),
+    "pack_all": xla_pack,
+    "pack_half": xla_pack,
+    "unpack_half": xla_unpack,
+    "norms_f32": xla_norms,
+    "norms_bf16": xla_norms,
+}
+
+
+def _time(calls, reps: int) -> list[float]:
+    """Median seconds of one call of each (fn, args) in `calls`, over `reps`
+    samples of BATCH calls each, the calls' samples interleaved (time_rounds
+    rotates their order each round, so a drift in clocks touches all alike),
     after two warm-up samples (the call that was checked compiled it)."""
 
-    def batch():
-        return [fn(*args) for _ in range(BATCH)]
+    def batch(fn, args):
+        return lambda: [fn(*args) for _ in range(BATCH)]
 
-    (samples,) = time_rounds([batch], reps=reps, warmup=2)
-    return statistics.median(samples) / BATCH
+    samples = time_rounds([batch(fn, args) for fn, args in calls], reps=reps, warmup=2)
+    return [statistics.median(s) / BATCH for s in samples]
+
+
+def below_xla_target(rows: list[dict]) -> list[str]:
+    """The kernels whose bandwidth is under VS_XLA_TARGET of their twin's."""
+    return [r["kernel"] for r in rows if r["vs_xla"] is not None and r["vs_xla"] < VS_XLA_TARGET]
 
 
 def _register_kernels() -> None:
@@ -120,76 +198,95 @@ def bench_kernels(size: int, reps: int) -> list[dict]:
         sel = np.repeat(mask, CHUNK)[:n]
         return np.concatenate([x_np[sel], np.zeros(n - sel.sum(), np.float32)])
 
+    def unpacked_ref(mask):
+        # packed == x: selected chunk c takes packed[offset(c)], i.e. an
+        # earlier chunk of x; check against that mapping.
+        ref = x_np.copy()
+        for k, c in enumerate(np.flatnonzero(mask)):
+            length = min(CHUNK, n - c * CHUNK)
+            ref[c * CHUNK : c * CHUNK + length] = x_np[k * CHUNK : k * CHUNK + length]
+        return ref
+
     def norms_ref(v):
         padded = np.zeros(nchunks * CHUNK, np.float64)
         padded[:n] = np.abs(np.asarray(v, np.float64))
         return padded.reshape(nchunks, CHUNK).sum(1)
 
     norms_out = jax.ShapeDtypeStruct((nchunks,), jnp.float32)
-    scale = np.float64(0.5)
+    # The FFI attributes, passed alike to a kernel and its XLA twin.
+    cast = {"scale": np.float64(0.5)}
+    chunks = {"chunk_size": np.int64(CHUNK)}
     cases = [
-        # name, fn, args, bytes read + written, reference, exact
+        # name, fn, args, attributes, bytes read + written, reference, exact
         (
             "copy",
             _ffi_kernel("jaxcomm_cast", f32, scale=np.float64(1)),
             (x,),
+            {},
             8 * n,
             x_np,
             True,
         ),
-        ("xla_scale", jax.jit(lambda v: v * 2), (x,), 8 * n, x_np * 2, True),
+        ("xla_scale", jax.jit(lambda v: v * 2), (x,), {}, 8 * n, x_np * 2, True),
         (
             "cast_bf16",
-            _ffi_kernel("jaxcomm_cast", jax.ShapeDtypeStruct((n,), jnp.bfloat16), scale=scale),
+            _ffi_kernel("jaxcomm_cast", jax.ShapeDtypeStruct((n,), jnp.bfloat16), **cast),
             (x,),
+            cast,
             6 * n,
             (x_np * np.float32(0.5)).astype(jnp.bfloat16),
             True,
         ),
         (
             "cast_f16",
-            _ffi_kernel("jaxcomm_cast", jax.ShapeDtypeStruct((n,), jnp.float16), scale=scale),
+            _ffi_kernel("jaxcomm_cast", jax.ShapeDtypeStruct((n,), jnp.float16), **cast),
             (x,),
+            cast,
             6 * n,
             (x_np * np.float32(0.5)).astype(np.float16),
             True,
         ),
         (
             "pack_all",
-            _ffi_kernel("jaxcomm_pack_chunks", f32, chunk_size=np.int64(CHUNK)),
+            _ffi_kernel("jaxcomm_pack_chunks", f32, **chunks),
             (x, jnp.asarray(all_mask)),
+            chunks,
             8 * n,
             packed_ref(all_mask),
             True,
         ),
         (
             "pack_half",
-            _ffi_kernel("jaxcomm_pack_chunks", f32, chunk_size=np.int64(CHUNK)),
+            _ffi_kernel("jaxcomm_pack_chunks", f32, **chunks),
             (x, jnp.asarray(half_mask)),
+            chunks,
             4 * n + 4 * sel_half,  # read + write the selected, zero the tail
             packed_ref(half_mask),
             True,
         ),
         (
             "unpack_half",
-            _ffi_kernel("jaxcomm_unpack_chunks", f32, chunk_size=np.int64(CHUNK)),
+            _ffi_kernel("jaxcomm_unpack_chunks", f32, **chunks),
             (x, x, jnp.asarray(half_mask)),
+            chunks,
             8 * n + 8 * sel_half,  # copy x, then read packed and write the selected
-            None,
+            unpacked_ref(half_mask),
             True,
         ),
         (
             "norms_f32",
-            _ffi_kernel("jaxcomm_chunk_norms", norms_out, chunk_size=np.int64(CHUNK)),
+            _ffi_kernel("jaxcomm_chunk_norms", norms_out, **chunks),
             (x,),
+            chunks,
             4 * n,
             norms_ref(x_np),
             False,
         ),
         (
             "norms_bf16",
-            _ffi_kernel("jaxcomm_chunk_norms", norms_out, chunk_size=np.int64(CHUNK)),
+            _ffi_kernel("jaxcomm_chunk_norms", norms_out, **chunks),
             (xb,),
+            chunks,
             2 * n,
             norms_ref(xb_np.astype(np.float32)),
             False,
@@ -197,20 +294,24 @@ def bench_kernels(size: int, reps: int) -> list[dict]:
     ]
     rows = []
     copy_bw = None
-    for name, fn, args, nbytes, ref, exact in cases:
+    for name, fn, args, attrs, nbytes, ref, exact in cases:
         out = fn(*args)
-        if name == "unpack_half":
-            # packed == x: selected chunk c takes packed[offset(c)], i.e. an
-            # earlier chunk of x; check against that mapping.
-            sel = np.flatnonzero(half_mask)
-            ref = x_np.copy()
-            for k, c in enumerate(sel):
-                length = min(CHUNK, n - c * CHUNK)
-                ref[c * CHUNK : c * CHUNK + length] = x_np[k * CHUNK : k * CHUNK + length]
         _check(name, out, ref, exact)
-        seconds = _time(fn, args, reps)
+        calls = [(fn, args)]
+        if name in XLA_TWINS:
+            twin = jax.jit(functools.partial(XLA_TWINS[name], **attrs))
+            twin_out = twin(*args)
+            if (twin_out.shape, twin_out.dtype) != (out.shape, out.dtype):
+                print(f"FAILED: {name}'s XLA twin returns another shape or dtype", file=sys.stderr)
+                sys.exit(1)
+            _check(f"{name}'s XLA twin", twin_out, ref, exact)
+            calls.append((twin, args))
+        # Kernel and twin in the same rounds: their ratio is what is judged.
+        seconds, *twin_seconds = _time(calls, reps)
         bw = nbytes / seconds / 1e9
         copy_bw = bw if name == "copy" else copy_bw
+        # The twin is credited with the kernel's bytes: the same work.
+        xla_bw = nbytes / twin_seconds[0] / 1e9 if twin_seconds else None
         rows.append(
             {
                 "kernel": name,
@@ -218,6 +319,9 @@ def bench_kernels(size: int, reps: int) -> list[dict]:
                 "us": seconds * 1e6,
                 "GBps": bw,
                 "ratio_to_copy": bw / copy_bw,
+                "xla_us": twin_seconds[0] * 1e6 if twin_seconds else None,
+                "xla_bandwidth_GBps": xla_bw,
+                "vs_xla": bw / xla_bw if xla_bw else None,
             }
         )
     return rows
@@ -255,7 +359,7 @@ def bench_allreduce(size: int, reps: int) -> list[dict]:
             if not np.allclose(row, expected, rtol=tol, atol=tol * N * 4):
                 print(f"FAILED: {name} allreduce does not match NumPy", file=sys.stderr)
                 sys.exit(1)
-        results[name] = _time(fn, (x,), reps)
+        (results[name],) = _time([(fn, (x,))], reps)
     psum_us = results["psum"] * 1e6
     for name, seconds in results.items():
         algbw = size / seconds / 1e9
@@ -271,6 +375,23 @@ def bench_allreduce(size: int, reps: int) -> list[dict]:
             }
         )
     return rows
+
+
+def kernel_table(rows: list[dict]) -> list[str]:
+    """The kernels' rows as printed: ``ratio`` against copy, then the XLA
+    twin's time and bandwidth and ``vs xla`` (``-`` for rows without a twin)."""
+    lines = [
+        f"{'kernel':<14}{'us':>10}{'GB/s':>10}{'ratio':>8}{'xla us':>10}{'xla GB/s':>10}"
+        f"{'vs xla':>8}"
+    ]
+    for r in rows:
+        line = f"{r['kernel']:<14}{r['us']:>10.1f}{r['GBps']:>10.1f}{r['ratio_to_copy']:>8.2f}"
+        if r["vs_xla"] is None:
+            line += f"{'-':>10}{'-':>10}{'-':>8}"
+        else:
+            line += f"{r['xla_us']:>10.1f}{r['xla_bandwidth_GBps']:>10.1f}{r['vs_xla']:>8.2f}"
+        lines.append(line)
+    return lines
 
 
 def main(argv=None) -> int:
@@ -296,15 +417,17 @@ def main(argv=None) -> int:
         "gpus": len(gpus),
         "size": size,
         "kernels": kernels,
+        "vs_xla_target": VS_XLA_TARGET,
+        "kernels_below_xla_target": below_xla_target(kernels),
         "allreduce": allreduce,
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['device']} x{len(gpus)}, {format_size(size)} per buffer")
-    print(f"{'kernel':<14}{'us':>10}{'GB/s':>10}{'ratio':>8}")
-    for r in kernels:
-        print(f"{r['kernel']:<14}{r['us']:>10.1f}{r['GBps']:>10.1f}{r['ratio_to_copy']:>8.2f}")
+    print("\n".join(kernel_table(kernels)))
+    below = report["kernels_below_xla_target"]
+    print(f"under {VS_XLA_TARGET} of XLA: {', '.join(below) if below else 'none'}")
     print(f"{'allreduce':<14}{'us':>10}{'algbw':>10}{'busbw':>10}{'vs psum':>9}")
     for r in allreduce:
         print(
