@@ -25,6 +25,10 @@ Workloads:
   the process's F devices, the weight matrices split over "fsdp" (``FSDP_SPECS``)
   and gathered in the forward pass, the batch split over both axes, and each
   configuration exchanging over "data" only; ``dense`` is ``lax.pmean`` over "data".
+  ``--model lm`` trains ``examples/lm``'s byte transformer (its defaults) on
+  random bytes with AdamW instead: losses and times, no accuracy.
+  ``--hlo-overlap`` adds, per configuration, how much compute the compiled
+  program schedules under each asynchronous collective (:func:`async_overlap`).
 - ``overlap``: does XLA's CPU runtime run a collective and compute that does
   not depend on it at the same time? The median time of a program with only
   a chain of matmuls, one with only a ``lax.psum`` of ``--sizes-mib`` (the
@@ -40,6 +44,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -53,6 +58,9 @@ PATHS = ("auto", "ring", "hierarchical", "ffi")
 # jaxcomm's ffi allreduce (TCP behind a future, XLA computes meanwhile).
 OVERLAP_PATHS = ("auto", "ffi")
 WIRES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+# The train workload's models: the wide MLP, or examples/lm's byte transformer
+# (its defaults) on random bytes.
+MODELS = ("mlp", "lm")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,15 +80,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target-acc", type=float, default=0.9)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fsdp", type=int, default=0, help="train: shard over F local devices")
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="train: what is trained")
+    parser.add_argument(
+        "--hlo-overlap",
+        action="store_true",
+        help="train: count the compute XLA scheduled under each asynchronous collective",
+    )
     parser.add_argument("--params-out", help="train: write each config's final params here")
     return parser.parse_args(argv)
 
 
-def emit(row: dict):
+def emit(row: dict, rows: list | None = None):
+    """Prints the row (process 0) and appends it to ``rows`` (every process)."""
     import jax
 
     if jax.process_index() == 0:
         print(ROW_PREFIX + json.dumps(row), flush=True)
+    if rows is not None:
+        rows.append(row)
 
 
 def progress(message: str):
@@ -198,6 +215,7 @@ def run_allreduce(args):
 
     mesh = host_mesh()
     hosts, local = mesh.devices.shape
+    rows = []
     for path in args.paths.split(","):
         for wire_name in args.wires.split(","):
             for size_mib in [float(s) for s in args.sizes_mib.split(",")]:
@@ -206,7 +224,7 @@ def run_allreduce(args):
                 row["bytes"] = nbytes
                 if path == "hierarchical" and local < 2:
                     row["error"] = "needs --devices-per-host 2"
-                    emit(row)
+                    emit(row, rows)
                     continue
                 n = nbytes // 4
                 # Device d holds (d + 1) * pattern: the sum is pattern * D(D+1)/2,
@@ -237,7 +255,8 @@ def run_allreduce(args):
                     f"allreduce {path} {wire_name} {size_mib:g} MiB: {row.get('time_s')} s, "
                     f"{row.get('cpu_s')} CPU s a call, machine {row.get('machine_busy')} busy"
                 )
-                emit(row)
+                emit(row, rows)
+    return rows
 
 
 def error_bound(wire_name: str, ranks: int, abs_sum):
@@ -293,6 +312,7 @@ TRAIN_CONFIGS = (
     "dense",
     "allreduce",
     "bf16",
+    "bf16_ring",
     "bf16_ef",
     "fp16",
     "fp16_ef",
@@ -305,8 +325,11 @@ TRAIN_CONFIGS = (
     "fp8_ef",
     "powersgd_r4",
     "diloco_h10",
+    # Streaming DiLoCo: two fragments, each landing two steps after its sync.
+    "streaming_diloco",
     # The same over jaxcomm's ffi collectives (TCP between processes).
     "allreduce_ffi",
+    "bf16_ffi",
     "fp16_ffi",
     "double_buffering_ffi",
     "chunk_sparse_ffi",
@@ -314,6 +337,7 @@ TRAIN_CONFIGS = (
     "double_buffering_unfused_ffi",
     # jaxcomm.double_buffered: the same overlapped exchange, each gradient
     # taken where it will be applied.
+    "dga",
     "dga_ffi",
     "dga_unfused_ffi",
     "compute",
@@ -332,6 +356,7 @@ def gradient_exchange(config: str, inner, axes=AXES):
     options = {
         "allreduce": {},
         "bf16": {"wire_dtype": bf16},
+        "bf16_ring": {"wire_dtype": bf16, "algorithm": "ring"},
         "bf16_ef": {"wire_dtype": bf16, "error_feedback": True},
         "fp16": {"wire_dtype": fp16},
         "fp16_ef": {"wire_dtype": fp16, "error_feedback": True},
@@ -362,6 +387,11 @@ def gradient_exchange(config: str, inner, axes=AXES):
         # The DiLoCo paper's outer optimizer (bench/quality_worker.py's default).
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
         return jaxcomm.diloco(inner, outer, axes, sync_every=10, backend="xla")
+    if config == "streaming_diloco":
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        return jaxcomm.diloco(
+            inner, outer, axes, sync_every=10, fragments=2, delay=2, mixing=0.5, backend="xla"
+        )
     wire = fp16 if config == "chunk_sparse_fp16" else None
     return jaxcomm.chunk_sparse(inner, axes, density=0.15, wire_dtype=wire, backend=backend)
 
@@ -369,20 +399,23 @@ def gradient_exchange(config: str, inner, axes=AXES):
 def takes_local_params(config: str) -> bool:
     """Whether the configuration's state holds the params at which each
     device takes its gradient (``jaxcomm.local_params``)."""
-    return config.startswith(("diloco", "dga"))
+    return config.startswith(("diloco", "streaming_diloco", "dga"))
 
 
-def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False, local=False):
+def train_step(tx, inner, communicate=True, axes=AXES, fsdp=False, local=False, logits_fn=None):
     """The step of one configuration: local gradients, exchange over ``axes``,
     update. ``fsdp``: the params are this device's shards (``FSDP_SPECS``);
-    ``local``: the gradient is taken at ``jaxcomm.local_params``."""
+    ``local``: the gradient is taken at ``jaxcomm.local_params``;
+    ``logits_fn(params, x)``: the model (default the MLP)."""
     import jax
     import optax
 
     import jaxcomm
 
+    logits_fn = logits_fn or mlp_logits
+
     def loss_fn(params, x, y):
-        logits = mlp_logits(gather_shards(params) if fsdp else params, x)
+        logits = logits_fn(gather_shards(params) if fsdp else params, x)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         # The reduce-scatter of the gathers' gradients sums the shards' rows.
         return loss / jax.lax.axis_size("fsdp") if fsdp else loss
@@ -413,7 +446,89 @@ def gather_shards(params):
     return whole
 
 
+# Scheduled HLO: "%name = type opcode(%operand, ...)". What counts as
+# compute between an asynchronous collective's start and its done.
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+_COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
+
+
+def async_overlap(hlo_text: str) -> list[int]:
+    """For each asynchronous collective of a compiled (scheduled) program,
+    in program order: how many compute instructions (fusions, custom calls
+    such as cuBLAS GEMMs, dots, convolutions) XLA scheduled between its
+    ``*-start`` and its ``*-done``, inside the same computation. Empty where
+    the backend runs collectives synchronously (XLA's CPU runtime)."""
+    counts = []
+    open_starts: dict[str, int] = {}  # start's name -> index into counts
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") or line.strip() == "}":
+            open_starts = {}  # a new computation: its instructions are its own
+            continue
+        m = _HLO_INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, opcode, rest = m.groups()
+        if opcode.endswith("-start"):
+            open_starts[name] = len(counts)
+            counts.append(0)
+        elif opcode.endswith("-done"):
+            operand = re.match(r"\s*%?([\w.\-]+)", rest)
+            if operand:
+                open_starts.pop(operand.group(1), None)
+        elif opcode in _COMPUTE_OPCODES:
+            for i in open_starts.values():
+                counts[i] += 1
+    return counts
+
+
 HELD_OUT_PER_DEVICE = 256
+CLASSES = 10
+
+
+def mlp_problem(args):
+    """The wide MLP: (params, logits_fn, draw(rng, n) -> (inputs, labels))
+    with samples of ``CLASSES`` Gaussian clusters of ``--features`` each."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(CLASSES, args.features)).astype(np.float32)
+    sizes = [(args.features, args.hidden), (args.hidden, args.hidden), (args.hidden, CLASSES)]
+    params = {}
+    for i, (fan_in, fan_out) in enumerate(sizes, start=1):
+        w = rng.normal(size=(fan_in, fan_out)).astype(np.float32) * np.sqrt(2 / fan_in)
+        params[f"w{i}"] = w.astype(np.float32)
+        params[f"b{i}"] = np.zeros(fan_out, np.float32)
+
+    def draw(rng, n):
+        """n samples: a class, and its centre plus unit normal noise."""
+        labels = rng.integers(CLASSES, size=n).astype(np.int32)
+        inputs = centres[labels] + rng.normal(size=(n, args.features)).astype(np.float32)
+        return inputs, labels
+
+    return params, mlp_logits, draw
+
+
+def lm_problem(args):
+    """examples/lm's byte transformer at that example's defaults, on random
+    bytes: (params, logits_fn, draw(rng, n) -> (tokens, next tokens))."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from quality_worker import load_example  # beside this file; it imports this one
+
+    (model_module,) = load_example("lm", "model")
+    model = model_module.ByteTransformer(rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = jax.tree.map(np.asarray, state)
+
+    def logits_fn(params, tokens):
+        return nnx.merge(graphdef, params)(tokens)
+
+    def draw(rng, n):
+        windows = rng.integers(256, size=(n, model.context + 1)).astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+    return params, logits_fn, draw
 
 
 def mlp_logits(params, x):
@@ -456,61 +571,64 @@ def run_train(args):
     import jaxcomm
 
     fsdp = args.fsdp > 0
+    lm = args.model == "lm"
+    if lm and (fsdp or args.params_out):
+        raise ValueError("--model lm: without --fsdp and --params-out")
     mesh = host_mesh(FSDP_AXES if fsdp else AXES)
     axes, rows = ("data" if fsdp else AXES), P(mesh.axis_names)  # exchange; batch split
     hosts, local = mesh.devices.shape
     if fsdp and local != args.fsdp:
         raise ValueError(f"--fsdp {args.fsdp}: each process has {local} devices")
-    classes = 10
-    rng = np.random.default_rng(0)
-    centres = rng.normal(size=(classes, args.features)).astype(np.float32)
-    sizes = [(args.features, args.hidden), (args.hidden, args.hidden), (args.hidden, classes)]
-    params_np = {}
-    for i, (fan_in, fan_out) in enumerate(sizes, start=1):
-        w = rng.normal(size=(fan_in, fan_out)).astype(np.float32) * np.sqrt(2 / fan_in)
-        params_np[f"w{i}"] = w.astype(np.float32)
-        params_np[f"b{i}"] = np.zeros(fan_out, np.float32)
-    param_count = sum(v.size for v in params_np.values())
+    params_np, logits_fn, draw_np = (lm_problem if lm else mlp_problem)(args)
+    param_count = sum(v.size for v in jax.tree.leaves(params_np))
     progress(f"train: {param_count / 1e6:.1f}M parameters, {hosts} hosts x {local} devices")
     batch = args.batch_per_device * mesh.size
     param_specs = {k: P(*FSDP_SPECS.get(k, ())) if fsdp else P() for k in params_np}
+    if lm:
+        param_specs = jax.tree.map(lambda _: P(), params_np)
 
     def sharded(value, spec=rows):
         sharding = NamedSharding(mesh, spec)
         return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
 
     def draw(rng, n):
-        """n samples: a class, and its centre plus unit normal noise."""
-        labels = rng.integers(classes, size=n).astype(np.int32)
-        inputs = centres[labels] + rng.normal(size=(n, args.features)).astype(np.float32)
-        return sharded(inputs), sharded(labels)
+        return tuple(sharded(v) for v in draw_np(rng, n))
 
-    params0 = {k: sharded(v, param_specs[k]) for k, v in params_np.items()}
+    params0 = jax.tree.map(sharded, params_np, param_specs)
     # Every configuration sees the same batches, and is judged on the same
     # held-out samples, drawn apart from them.
     batches = [draw(np.random.default_rng([1, i]), batch) for i in range(args.steps + 1)]
     held_out = draw(np.random.default_rng(2), HELD_OUT_PER_DEVICE * mesh.size)
-    accuracy = jax.jit(
-        jax.shard_map(
-            functools.partial(held_out_accuracy, fsdp=fsdp),
-            mesh=mesh,
-            in_specs=(param_specs, rows, rows),
-            out_specs=P(),
+    accuracy = (
+        None
+        if lm
+        else jax.jit(
+            jax.shard_map(
+                functools.partial(held_out_accuracy, fsdp=fsdp),
+                mesh=mesh,
+                in_specs=(param_specs, rows, rows),
+                out_specs=P(),
+            )
         )
     )
 
     if args.params_out:
         save_params(args.params_out, "init", params0)
+    out = []
     for config in args.configs.split(","):
         row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
+        row["batch_per_device"] = args.batch_per_device
         if fsdp:
             row["fsdp"] = args.fsdp
         # The leaf shapes follow from these (the cost model's PowerSGD term needs them).
-        row.update(features=args.features, hidden=args.hidden, classes=classes)
+        row["model"] = args.model
+        if not lm:
+            row.update(features=args.features, hidden=args.hidden, classes=CLASSES)
         try:
             if config == "hierarchical" and local < 2:
                 raise ValueError("needs --devices-per-host 2")
-            inner = optax.sgd(0.01, momentum=0.9)
+            # examples/lm's optimizer family for its model.
+            inner = optax.adamw(1e-3) if lm else optax.sgd(0.01, momentum=0.9)
             tx = gradient_exchange(config, inner, axes)
             optimizer = inner if tx is None else tx
             with jax.set_mesh(mesh):
@@ -524,7 +642,13 @@ def run_train(args):
             )
             opt_state = shapes if fsdp else init(params0)
             step = train_step(
-                tx, inner, config != "compute", axes, fsdp, local=takes_local_params(config)
+                tx,
+                inner,
+                config != "compute",
+                axes,
+                fsdp,
+                local=takes_local_params(config),
+                logits_fn=logits_fn,
             )
             run = jax.jit(
                 jax.shard_map(
@@ -537,9 +661,14 @@ def run_train(args):
                 )
             )
             params = params0
+            if args.hlo_overlap:
+                hlo = run.lower(params, opt_state, *batches[0]).compile().as_text()
+                under = async_overlap(hlo)
+                row["async_collectives"] = len(under)
+                row["compute_under_collectives"] = under
             times, losses = [], []
             # compute: each device holds its own params, which no accuracy describes.
-            accs = [] if config == "compute" else [float(accuracy(params, *held_out))]
+            accs = [] if config == "compute" or lm else [float(accuracy(params, *held_out))]
             for i in range(args.steps + 1):  # the first compiles
                 x, y = batches[i]
                 start = time.perf_counter()
@@ -571,7 +700,8 @@ def run_train(args):
         except Exception as e:  # noqa: BLE001  (a failing configuration is a result)
             row["error"] = describe_error(e)
             progress(f"train {config}: {row['error']}")
-        emit(row)
+        emit(row, out)
+    return out
 
 
 def save_params(directory: str, config: str, params: dict):
