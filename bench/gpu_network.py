@@ -51,6 +51,7 @@ tests use that to check the harness, not its speed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -547,6 +548,10 @@ def main(argv=None):
         left = deadline - time.monotonic()
         if left < 20:
             rows.append({"table": table, "processes": n, "error": "skipped: --budget spent"})
+            continue
+        if detail == "lm" and importlib.util.find_spec("flax") is None:  # examples/lm is NNX
+            skipped = "skipped: flax is not installed"
+            rows.append({"table": table, "processes": n, "model": detail, "error": skipped})
             continue
         xla = XLA_SETTINGS[detail] if table == "overlap" else ""
         got = launch(n, argv, min(args.timeout, left), xla)
