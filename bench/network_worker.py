@@ -450,6 +450,8 @@ def gather_shards(params):
 # compute between an asynchronous collective's start and its done.
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
+# An operand printed without "%", after its type or not.
+_BARE_OPERAND = re.compile(r"\s*(?:[a-z]\w*\[[^\]]*\](?:\{[^}]*\})?\s+)?([\w.\-]+)")
 
 
 def async_overlap(hlo_text: str) -> list[int]:
@@ -472,7 +474,8 @@ def async_overlap(hlo_text: str) -> list[int]:
             open_starts[name] = len(counts)
             counts.append(0)
         elif opcode.endswith("-done"):
-            operand = re.match(r"\s*%?([\w.\-]+)", rest)
+            # The operand, printed "%start" or, in some XLA versions, "f32[8]{0} %start".
+            operand = re.search(r"%([\w.\-]+)", rest) or _BARE_OPERAND.match(rest)
             if operand:
                 open_starts.pop(operand.group(1), None)
         elif opcode in _COMPUTE_OPCODES:

@@ -75,6 +75,11 @@ def test_async_overlap_counts_the_compute_between_each_start_and_its_done():
     # (the GEMM and the reduce fusion; a get-tuple-element is not compute),
     # then the collective-permute (nothing).
     assert network_worker.async_overlap(HLO) == [0, 2, 0]
+    # Operands printed with their types, or without "%": the same counts.
+    typed = HLO.replace("-done(%", "-done(f32[8]{0} %")
+    assert typed != HLO and network_worker.async_overlap(typed) == [0, 2, 0]
+    bare = HLO.replace("-done(%", "-done(")
+    assert network_worker.async_overlap(bare) == [0, 2, 0]
     # Synchronous collectives (XLA's CPU runtime) have no start.
     sync = "ENTRY %m {\n  %x = f32[8]{0} all-reduce(%a), to_apply=%add\n}\n"
     assert network_worker.async_overlap(sync) == []
