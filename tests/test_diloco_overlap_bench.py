@@ -5,27 +5,13 @@ the testbed itself."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
+import bench_modules
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "diloco_overlap", ROOT / "bench" / "diloco_overlap.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_modules.load("diloco_overlap")
 
 
 def test_steps_are_split_by_the_exchanges_on_the_network(bench):

@@ -6,26 +6,13 @@ sockets). Its GPU timings are the benchmark's to report, not asserted here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
+import bench_modules
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_network = _load("gpu_network")
-network_worker = _load("network_worker")
+gpu_network = bench_modules.load("gpu_network")
+network_worker = bench_modules.load("network_worker")
 
 
 def test_fitted_batch_is_where_the_line_through_the_probes_meets_the_target():

@@ -7,17 +7,13 @@ chunk size. The kernels themselves are checked on a GPU in tests/test_cuda.py.""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
-import sys
 
+import bench_modules
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 C = 4  # elements per chunk here: 23 elements are 5 whole chunks and one of 3
 MASKS = [
@@ -30,16 +26,7 @@ MASKS = [
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # its `_common`
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "kernels_bench", ROOT / "bench" / "kernels.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_modules.load("kernels")
 
 
 def _twin(bench, name, **attrs):

@@ -4,22 +4,15 @@ benchmark's to report, not asserted here beyond the waits' own length."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
+import bench_modules
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("overlap_bench", ROOT / "bench" / "overlap.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_modules.load("overlap")
 
 
 def test_wait_handlers_return_their_input_after_the_wait():

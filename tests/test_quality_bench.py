@@ -4,20 +4,13 @@ examples', which tests/test_lm_example.py and test_digits_example.py run)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
+import bench_modules
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("quality_bench", ROOT / "bench" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_modules.load("quality")
 
 
 def test_lm_rows_compare_each_seed_with_its_own_dense(bench):
