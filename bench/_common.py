@@ -9,6 +9,7 @@ cost model's own measurements.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -112,3 +113,18 @@ def copy_bandwidth(
     best = min(run_once() for _ in range(reps))
     moved = 2 * threads * copies * buffer_bytes
     return moved / best, threads
+
+
+def pyplot(path):
+    """``matplotlib.pyplot`` drawing to files, or None, with a note on stderr
+    that no plot goes to ``path``, where matplotlib is not installed (the
+    benchmarks run without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"# matplotlib is not installed: no plot {path}", file=sys.stderr)
+        return None
+    return plt

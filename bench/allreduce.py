@@ -116,6 +116,7 @@ from _common import (
     parse_size,
     parse_sizes,
     power_of_4_sizes,
+    pyplot,
     reps_for,
 )
 from jax.sharding import NamedSharding
@@ -345,13 +346,8 @@ def write_json(path: str, results: dict) -> None:
 
 def write_plot(path: str, results: dict) -> None:
     """busbw against size, one panel per input kind."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"# matplotlib is not installed; skipping the plot {path}")
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
     styles = {"ffi": "o-", "ffi-ring": "s-", "psum": "^-", "roofline": "k--"}

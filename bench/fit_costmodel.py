@@ -35,7 +35,7 @@ import pathlib
 import sys
 
 import jax
-from _common import bus_factor_allreduce, format_size, parse_sizes
+from _common import bus_factor_allreduce, format_size, parse_sizes, pyplot
 
 import jaxcomm
 from jaxcomm.costmodel import fit_alpha_beta, measure_allreduce
@@ -98,13 +98,8 @@ def print_backend(backend: str, entry: dict) -> None:
 
 
 def write_plot(path: pathlib.Path, results: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not importable: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     import numpy as np
 

@@ -63,6 +63,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # network_worker, also when imported by the tests
 import network_worker  # noqa: E402  (beside this file; no JAX at import)
+from _common import pyplot  # noqa: E402
 
 NCCL_ENV = {
     "NCCL_P2P_DISABLE": "1",
@@ -390,13 +391,8 @@ def print_tables(rows: list[dict], overlaps: list[dict], checks: list[dict]) -> 
 
 
 def plot(rows: list[dict], overlaps: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed; no plot", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(18, 6))
     panels = [

@@ -46,7 +46,8 @@ import argparse
 import json
 import math
 import pathlib
-import sys
+
+from _common import pyplot
 
 from jaxcomm.costmodel import (
     Settings,
@@ -202,13 +203,8 @@ def write_json(path: pathlib.Path, one, two) -> pathlib.Path:
 
 
 def write_plots(path: pathlib.Path, two) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not importable: no plots (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     for row, model in enumerate(PROFILES):
