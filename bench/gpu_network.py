@@ -422,7 +422,8 @@ def plot(rows: list[dict], overlaps: list[dict], path: str) -> None:
         ax.set_yticks([j + width * (len(counts) - 1) / 2 for j in range(len(names))], names)
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_title(title)
-        ax.legend()
+        if counts:
+            ax.legend()
     ax = axes[2]
     labels = list(OVERLAP_COLUMNS)[:5]  # Streaming DiLoCo's mean step is not a step's
     width = 0.8 / max(1, len(overlaps))
