@@ -11,13 +11,10 @@
 #include "common/chunk_layout.h"
 #include "cuda/check.h"
 #include "cuda/kernels.h"
+#include "cuda/vector_plan.h"
 
 namespace jaxcomm::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kItems = 4;                    // elements per thread: loads in flight
-constexpr size_t kTile = kThreads * kItems;  // elements per block
 
 template <DType T>
 struct Elem;
@@ -49,28 +46,80 @@ struct Elem<DType::kBF16> {
 template <DType A, DType B>
 using Wide = std::conditional_t<A == DType::kF64 || B == DType::kF64, double, float>;
 
-unsigned Blocks(size_t n) { return static_cast<unsigned>((n + kTile - 1) / kTile); }
+unsigned Blocks(size_t n) { return static_cast<unsigned>(Tiles(n)); }
 
 // One tile of kTile elements per block; consecutive threads touch
 // consecutive elements so every load is coalesced.
 template <typename Op>
 __global__ void Elementwise(size_t n, Op op) {
-  const size_t base = static_cast<size_t>(blockIdx.x) * kTile + threadIdx.x;
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
-    const size_t i = base + static_cast<size_t>(k) * kThreads;
+    const size_t i = TileUnit(blockIdx.x, threadIdx.x, k);
     if (i < n) op(i);
   }
 }
 
+// N elements moved by one load or store (alignas makes it a vector access).
+template <typename T, size_t N>
+struct alignas(N * sizeof(T)) Vec {
+  T e[N];
+};
+
+// out[i] = op.Apply(in[i]) in vectors of VecLen elements, as planned in
+// vector_plan.h. A thread issues all its loads before any math, so kItems
+// vectors (64 bytes on the wider side) are in flight per thread.
+template <typename Op>
+__global__ void __launch_bounds__(kThreads) VectorMap(MapPlan plan, Op op) {
+  using In = typename Op::In;
+  using Out = typename Op::Out;
+  constexpr size_t kVec = VecLen(sizeof(In), sizeof(Out));
+  const auto* in = reinterpret_cast<const Vec<In, kVec>*>(op.in + plan.head);
+  auto* out = reinterpret_cast<Vec<Out, kVec>*>(op.out + plan.head);
+  Vec<In, kVec> w[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const size_t v = TileUnit(blockIdx.x, threadIdx.x, k);
+    if (v < plan.vecs) w[k] = in[v];
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const size_t v = TileUnit(blockIdx.x, threadIdx.x, k);
+    if (v < plan.vecs) {
+      Vec<Out, kVec> r;
+#pragma unroll
+      for (size_t e = 0; e < kVec; ++e) r.e[e] = op.Apply(w[k].e[e]);
+      out[v] = r;
+    }
+  }
+  if (DoesHeadElement(plan, blockIdx.x, threadIdx.x)) op(threadIdx.x);
+  if (DoesTailElement(plan, blockIdx.x, threadIdx.x)) op(plan.tail + threadIdx.x);
+}
+
+// A one-input map (op.in, op.out, op.Apply) over n > 0 elements: vectors
+// where in and out can be aligned together, the scalar kernel where not.
+template <typename Op>
+cudaError_t LaunchMap(cudaStream_t stream, size_t n, const Op& op) {
+  const MapPlan plan = PlanMap(reinterpret_cast<uintptr_t>(op.in), sizeof(typename Op::In),
+                               reinterpret_cast<uintptr_t>(op.out), sizeof(typename Op::Out), n);
+  if (plan.vector) {
+    VectorMap<<<static_cast<unsigned>(MapBlocks(plan)), kThreads, 0, stream>>>(plan, op);
+  } else {
+    Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
+  }
+  return cudaGetLastError();
+}
+
 template <DType D, DType S>
 struct ConvertOp {
-  typename Elem<D>::Storage* out;
-  const typename Elem<S>::Storage* in;
+  using In = typename Elem<S>::Storage;
+  using Out = typename Elem<D>::Storage;
+  Out* out;
+  const In* in;
   Wide<D, S> scale;
-  __device__ void operator()(size_t i) const {
-    out[i] = Elem<D>::Store(static_cast<Wide<D, S>>(Elem<S>::Load(in[i])) * scale);
+  __device__ Out Apply(In x) const {
+    return Elem<D>::Store(static_cast<Wide<D, S>>(Elem<S>::Load(x)) * scale);
   }
+  __device__ void operator()(size_t i) const { out[i] = Apply(in[i]); }
 };
 
 template <DType A, DType S>
@@ -110,8 +159,7 @@ cudaError_t ConvertTyped(cudaStream_t stream, void* dst, const void* src, size_t
   ConvertOp<D, S> op{static_cast<typename Elem<D>::Storage*>(dst),
                      static_cast<const typename Elem<S>::Storage*>(src),
                      static_cast<Wide<D, S>>(scale)};
-  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
-  return cudaGetLastError();
+  return LaunchMap(stream, n, op);
 }
 
 template <DType A, DType S>
@@ -183,26 +231,53 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // Blocks walk chunks tile by tile, so the chunk index costs one division per
 // block, and a block of an unselected chunk exits before touching memory.
-template <typename T, bool kPack>
-__global__ void ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask,
-                                const int32_t* offsets, int64_t chunk_size, int64_t slots,
-                                int64_t tiles_per_chunk) {
+// A unit is kVec elements: a 16-byte vector when the plan found every chunk
+// aligned (vector_plan.h), else one element; a short last chunk's remainder
+// goes singly. All of a thread's loads are issued before its stores.
+template <typename T, size_t kVec, bool kPack>
+__global__ void __launch_bounds__(kThreads)
+    ChunkCopyKernel(const T* src, T* dst, size_t n, const bool* mask, const int32_t* offsets,
+                    int64_t chunk_size, int64_t slots, int64_t tiles_per_chunk) {
+  using Unit = Vec<T, kVec>;
   const int64_t c = blockIdx.x / tiles_per_chunk;
   if (!mask[c] || offsets[c] >= slots) return;
   const int64_t tile = blockIdx.x % tiles_per_chunk;
   const size_t chunk_begin = static_cast<size_t>(c) * chunk_size;
   const size_t packed_begin = static_cast<size_t>(offsets[c]) * chunk_size;
   const size_t chunk_len = ChunkLength(c, n, chunk_size);
+  const T* from = src + (kPack ? chunk_begin : packed_begin);
+  T* to = dst + (kPack ? packed_begin : chunk_begin);
+  const size_t units = ChunkUnits(chunk_len, kVec);
+  Unit w[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
-    const size_t j = static_cast<size_t>(tile) * kTile + k * kThreads + threadIdx.x;
-    if (j < chunk_len) {
-      if (kPack) {
-        dst[packed_begin + j] = src[chunk_begin + j];
-      } else {
-        dst[chunk_begin + j] = src[packed_begin + j];
-      }
-    }
+    const size_t u = TileUnit(tile, threadIdx.x, k);
+    if (u < units) w[k] = reinterpret_cast<const Unit*>(from)[u];
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const size_t u = TileUnit(tile, threadIdx.x, k);
+    if (u < units) reinterpret_cast<Unit*>(to)[u] = w[k];
+  }
+  if (DoesRemainderElement(chunk_len, kVec, tile, threadIdx.x)) {
+    const size_t j = units * kVec + threadIdx.x;
+    to[j] = from[j];
+  }
+}
+
+template <typename T, bool kPack>
+void ChunkCopyTyped(cudaStream_t stream, const ChunkCopyPlan& plan, const void* src, void* dst,
+                    size_t n, const bool* mask, const int32_t* offsets, int64_t chunk_size,
+                    int64_t slots) {
+  const unsigned grid = static_cast<unsigned>(plan.blocks);
+  const T* from = static_cast<const T*>(src);
+  T* to = static_cast<T*>(dst);
+  if (plan.vec > 1) {
+    ChunkCopyKernel<T, kVecBytes / sizeof(T), kPack><<<grid, kThreads, 0, stream>>>(
+        from, to, n, mask, offsets, chunk_size, slots, plan.tiles_per_chunk);
+  } else {
+    ChunkCopyKernel<T, 1, kPack><<<grid, kThreads, 0, stream>>>(
+        from, to, n, mask, offsets, chunk_size, slots, plan.tiles_per_chunk);
   }
 }
 
@@ -211,31 +286,25 @@ Status LaunchChunkCopy(cudaStream_t stream, const void* src, void* dst, size_t n
                        const bool* mask, const int32_t* offsets, int64_t chunk_size,
                        int64_t slots) {
   if (n == 0) return Status::Ok();
-  const int64_t nchunks = ChunkCount(n, chunk_size);
-  const int64_t tiles = (chunk_size + kTile - 1) / kTile;
-  const int64_t blocks = nchunks * tiles;
-  if (blocks > 0x7fffffffLL) {
+  if (elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8) {
+    return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
+  }
+  const ChunkCopyPlan plan =
+      PlanChunkCopy(reinterpret_cast<uintptr_t>(src), reinterpret_cast<uintptr_t>(dst), n,
+                    elem_bytes, chunk_size);
+  if (plan.blocks > 0x7fffffffLL) {
     return Status(Code::kInvalidArgument, "jaxcomm: too many chunks for one launch");
   }
-  const unsigned grid = static_cast<unsigned>(blocks);
   switch (elem_bytes) {
     case 2:
-      ChunkCopyKernel<uint16_t, kPack><<<grid, kThreads, 0, stream>>>(
-          static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), n, mask, offsets,
-          chunk_size, slots, tiles);
+      ChunkCopyTyped<uint16_t, kPack>(stream, plan, src, dst, n, mask, offsets, chunk_size, slots);
       break;
     case 4:
-      ChunkCopyKernel<uint32_t, kPack><<<grid, kThreads, 0, stream>>>(
-          static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), n, mask, offsets,
-          chunk_size, slots, tiles);
-      break;
-    case 8:
-      ChunkCopyKernel<uint64_t, kPack><<<grid, kThreads, 0, stream>>>(
-          static_cast<const uint64_t*>(src), static_cast<uint64_t*>(dst), n, mask, offsets,
-          chunk_size, slots, tiles);
+      ChunkCopyTyped<uint32_t, kPack>(stream, plan, src, dst, n, mask, offsets, chunk_size, slots);
       break;
     default:
-      return Status(Code::kInvalidArgument, "jaxcomm: element size must be 2, 4 or 8 bytes");
+      ChunkCopyTyped<uint64_t, kPack>(stream, plan, src, dst, n, mask, offsets, chunk_size, slots);
+      break;
   }
   return FromCuda(cudaGetLastError(), kPack ? "pack chunks" : "unpack chunks");
 }
@@ -276,7 +345,6 @@ cudaError_t ZeroPackedTailTyped(cudaStream_t stream, const bool* mask, const int
 // flight to reach the memory's bandwidth. A chunk can start anywhere (its
 // size is arbitrary), so the elements before its first 16-byte boundary and
 // after its last one are read singly.
-constexpr int kVecBytes = 16;
 constexpr int kWarp = 32;
 
 template <DType T, typename Acc>
@@ -361,16 +429,19 @@ template <DType I, DType W>
 struct EncodeOp {
   static constexpr DType A = I == DType::kF64 ? DType::kF64 : DType::kF32;  // AccumulatorFor
   using AccT = typename Elem<A>::Storage;
-  const typename Elem<I>::Storage* in;
-  typename Elem<W>::Storage* out;
+  using In = typename Elem<I>::Storage;
+  using Out = typename Elem<W>::Storage;
+  const In* in;
+  Out* out;
   Wide<A, I> scale;
   AccT hi;  // the wire's largest finite value
   bool saturate;
-  __device__ void operator()(size_t i) const {
-    AccT a = Elem<A>::Store(static_cast<Wide<A, I>>(Elem<I>::Load(in[i])) * scale);
+  __device__ Out Apply(In x) const {
+    AccT a = Elem<A>::Store(static_cast<Wide<A, I>>(Elem<I>::Load(x)) * scale);
     if (saturate && isfinite(a)) a = a > hi ? hi : (a < -hi ? -hi : a);  // inf and NaN pass
-    out[i] = Elem<W>::Store(static_cast<Wide<W, A>>(Elem<A>::Load(a)));
+    return Elem<W>::Store(static_cast<Wide<W, A>>(Elem<A>::Load(a)));
   }
+  __device__ void operator()(size_t i) const { out[i] = Apply(in[i]); }
 };
 
 template <DType I, DType W>
@@ -382,8 +453,7 @@ cudaError_t EncodeTyped(cudaStream_t stream, const void* in, void* out, size_t n
         static_cast<typename Op::AccT>(
             std::min<double>(MaxFinite(W), std::numeric_limits<typename Op::AccT>::max())),
         saturate};
-  Elementwise<<<Blocks(n), kThreads, 0, stream>>>(n, op);
-  return cudaGetLastError();
+  return LaunchMap(stream, n, op);
 }
 
 template <DType I>
