@@ -1,5 +1,6 @@
 """GPU processes on a slow network, on one GPU: N processes (``python -m
-jaxcomm.launch``) share the GPU, each its own "host" to NCCL (NCCL_HOSTID)
+jaxcomm.launch --one-gpu-each``) share the GPU (or take one each where there
+are N), each its own "host" to NCCL (NCCL_HOSTID)
 with NCCL's peer-to-peer and shared-memory transports off, so every byte
 goes over TCP sockets on loopback, as between machines. Three tables:
 
@@ -64,6 +65,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # network_worker, also when imported by the tests
 import network_worker  # noqa: E402  (beside this file; no JAX at import)
 from _common import pyplot  # noqa: E402
+
+from jaxcomm import launch as launch_module  # noqa: E402  (standard library only)
 
 NCCL_ENV = {
     "NCCL_P2P_DISABLE": "1",
@@ -264,7 +267,10 @@ def launch(count: int, argv: list[str], timeout: float, xla_flags: str = "") -> 
     env.pop("XLA_FLAGS", None)  # a test session's 8 host devices
     if xla_flags:
         env["XLA_FLAGS"] = xla_flags
-    cmd = [sys.executable, "-m", "jaxcomm.launch", "-n", str(count), os.path.abspath(__file__)]
+    cmd = [sys.executable, "-m", "jaxcomm.launch", "-n", str(count)]
+    # One GPU each (the same one on a one-GPU machine); none on a CPU-only one.
+    cmd += ["--one-gpu-each"] if launch_module.visible_gpus(dict(os.environ)) else []
+    cmd += [os.path.abspath(__file__)]
     try:
         run = subprocess.run(cmd + argv, env=env, timeout=timeout, text=True, capture_output=True)
         out, why = run.stdout, (run.stdout + run.stderr)[-2000:]

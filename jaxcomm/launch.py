@@ -6,7 +6,9 @@ gives each process ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
 ``JAXCOMM_PROCESS_ID`` (read by :func:`jaxcomm.distributed.initialize`, which
 then binds rank 0's coordination service to 127.0.0.1 only), and with
 ``--devices-per-process`` forces that many CPU devices per process through
-``XLA_FLAGS``. Each output line comes back prefixed with
+``XLA_FLAGS``; ``--one-gpu-each`` gives each process one GPU
+(``CUDA_VISIBLE_DEVICES``, round robin over the visible ones: N processes
+share one GPU or take one each). Each output line comes back prefixed with
 ``[rank k]``; gloo's line per device saying it connected to its peers is left
 out unless ``--show-gloo`` asks for it.
 
@@ -84,10 +86,41 @@ def with_device_count(xla_flags: str, count: int) -> str:
     return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={count}"])
 
 
+def visible_gpus(env: dict, nvidia_smi_listing: str | None = None) -> list[str]:
+    """The GPUs processes may be given: ``CUDA_VISIBLE_DEVICES``'s entries
+    where it is set, else one index per ``GPU k:`` line of ``nvidia-smi -L``
+    (run here unless its output is passed in); empty without either.
+
+    Examples:
+      >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"})
+      ['2', '3']
+      >>> visible_gpus({}, "GPU 0: NVIDIA H100 (UUID: a)\\nGPU 1: NVIDIA H100 (UUID: b)")
+      ['0', '1']
+    """
+    if env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    if nvidia_smi_listing is None:
+        try:
+            nvidia_smi_listing = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+    count = sum(1 for line in nvidia_smi_listing.splitlines() if re.match(r"GPU \d+:", line))
+    return [str(i) for i in range(count)]
+
+
 def process_env(
-    base: dict, *, rank: int, num_processes: int, port: int, devices_per_process: int | None
+    base: dict,
+    *,
+    rank: int,
+    num_processes: int,
+    port: int,
+    devices_per_process: int | None,
+    gpus: Sequence[str] = (),
 ) -> dict:
-    """The environment of process ``rank``: ``base`` plus the job's variables."""
+    """The environment of process ``rank``: ``base`` plus the job's variables;
+    with ``gpus``, the one GPU ``gpus[rank % len(gpus)]`` (``CUDA_VISIBLE_DEVICES``)."""
     env = dict(base)
     env.update(
         {
@@ -101,6 +134,8 @@ def process_env(
     env.pop(JAX_ENV_COORDINATOR, None)
     if devices_per_process is not None:
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
     return env
 
 
@@ -190,6 +225,7 @@ def launch(
     num_processes: int,
     *,
     devices_per_process: int | None = None,
+    one_gpu_each: bool = False,
     grace_period: float = 5.0,
     show_gloo: bool = False,
 ) -> int:
@@ -200,6 +236,9 @@ def launch(
       num_processes: how many processes to start.
       devices_per_process: CPU devices to force in each process, or ``None``
         to leave ``XLA_FLAGS`` as it is.
+      one_gpu_each: give each process one GPU of :func:`visible_gpus`, round
+        robin (more processes than GPUs share them); the processes then see
+        one local device each.
       grace_period: seconds between SIGTERM and SIGKILL when the launcher is
         interrupted. After a process fails the others are killed at once.
       show_gloo: pass on gloo's lines saying each device connected to its peers.
@@ -210,6 +249,9 @@ def launch(
     """
     if num_processes < 1:
         raise ValueError(f"num_processes={num_processes} must be at least 1")
+    gpus = visible_gpus(dict(os.environ)) if one_gpu_each else []
+    if one_gpu_each and not gpus:
+        raise ValueError("one_gpu_each: no GPU (CUDA_VISIBLE_DEVICES unset, nvidia-smi lists none)")
     port = free_port()
     lock = threading.Lock()
     hide = None if show_gloo else GLOO_CONNECTED
@@ -223,6 +265,7 @@ def launch(
                 num_processes=num_processes,
                 port=port,
                 devices_per_process=devices_per_process,
+                gpus=gpus,
             )
             proc = subprocess.Popen(
                 list(command),
@@ -297,6 +340,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"force this many CPU devices per process ({DEVICE_COUNT_FLAG} in XLA_FLAGS)",
     )
     parser.add_argument(
+        "--one-gpu-each",
+        action="store_true",
+        help="give each process one GPU (CUDA_VISIBLE_DEVICES), round robin over the visible ones",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=5.0,
@@ -322,13 +370,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return launch(
-        [sys.executable, args.script, *args.args],
-        args.num_processes,
-        devices_per_process=args.devices_per_process,
-        grace_period=args.grace_period,
-        show_gloo=args.show_gloo,
-    )
+    try:
+        return launch(
+            [sys.executable, args.script, *args.args],
+            args.num_processes,
+            devices_per_process=args.devices_per_process,
+            one_gpu_each=args.one_gpu_each,
+            grace_period=args.grace_period,
+            show_gloo=args.show_gloo,
+        )
+    except ValueError as e:  # nothing was started
+        _say(str(e))
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The CUDA handlers across processes on one GPU: N processes (``python -m
-jaxcomm.launch -n N``) share the GPU, each its own "host" to NCCL
+jaxcomm.launch --one-gpu-each -n N``) share the GPU (or take one each where
+there are N), each its own "host" to NCCL
 (NCCL_HOSTID), with NCCL's peer-to-peer and shared-memory transports off,
 so every byte goes over TCP on loopback as between machines. Every
 algorithm (the all-to-all one included) and wire, the masked allreduce,
@@ -131,7 +132,7 @@ WORKER = """
 @pytest.fixture(autouse=True)
 def _enough_devices():
     """Overrides conftest's 8-device rule: each process brings one device,
-    the same GPU."""
+    a GPU of its own or the one it shares."""
 
 
 def _run(tmp_path, processes):
@@ -141,8 +142,9 @@ def _run(tmp_path, processes):
     env.pop("XLA_FLAGS", None)  # no forced CPU devices: one GPU per process
     env.pop("JAX_PLATFORMS", None)
     run = subprocess.run(
-        [sys.executable, "-m", "jaxcomm.launch", "-n", str(processes), str(script),
-         str(tmp_path / "out")],
+        # One GPU each: the same one on a one-GPU machine, N where there are N.
+        [sys.executable, "-m", "jaxcomm.launch", "--one-gpu-each", "-n", str(processes),
+         str(script), str(tmp_path / "out")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]

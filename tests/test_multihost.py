@@ -587,6 +587,31 @@ def test_check_same_collectives_when_processes_are_missing(tmp_path):
         assert "jax.process_count(): 2 on process 0; 3 on process 1" in output, output
 
 
+def test_one_gpu_each_deals_the_visible_gpus_round_robin():
+    listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)\nGPU 1: NVIDIA H100 (UUID: GPU-b)\n"
+    assert launch.visible_gpus({}, listing) == ["0", "1"]
+    assert launch.visible_gpus({}, "No devices were found\n") == []
+    # An outer restriction is kept: its entries (ids or UUIDs) are dealt out.
+    assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, GPU-x"}, listing) == ["3", "GPU-x"]
+    seen = [
+        launch.process_env({}, rank=r, num_processes=5, port=1, devices_per_process=None,
+                           gpus=["3", "5"])["CUDA_VISIBLE_DEVICES"]
+        for r in range(5)
+    ]  # fmt: skip
+    assert seen == ["3", "5", "3", "5", "3"]
+    plain = launch.process_env({}, rank=0, num_processes=1, port=1, devices_per_process=None)
+    assert "CUDA_VISIBLE_DEVICES" not in plain
+
+
+def test_one_gpu_each_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(7)\n")
+    assert launch.main(["-n", "2", "--one-gpu-each", str(script)]) == 2
+    assert "one_gpu_each: no GPU" in capsys.readouterr().err
+
+
 # jaxcomm.distributed.resolve_settings: pure functions of the environment.
 
 
