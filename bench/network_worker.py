@@ -470,7 +470,7 @@ def async_overlap(hlo_text: str) -> list[int]:
         if not m:
             continue
         name, opcode, rest = m.groups()
-        if opcode.endswith("-start"):
+        if opcode.endswith("-start") and opcode != "copy-start":  # copies are not collectives
             open_starts[name] = len(counts)
             counts.append(0)
         elif opcode.endswith("-done"):
@@ -498,7 +498,7 @@ def mlp_problem(args):
     sizes = [(args.features, args.hidden), (args.hidden, args.hidden), (args.hidden, CLASSES)]
     params = {}
     for i, (fan_in, fan_out) in enumerate(sizes, start=1):
-        w = rng.normal(size=(fan_in, fan_out)).astype(np.float32) * np.sqrt(2 / fan_in)
+        w = rng.normal(size=(fan_in, fan_out)) * np.sqrt(2 / fan_in)
         params[f"w{i}"] = w.astype(np.float32)
         params[f"b{i}"] = np.zeros(fan_out, np.float32)
 
@@ -586,9 +586,10 @@ def run_train(args):
     param_count = sum(v.size for v in jax.tree.leaves(params_np))
     progress(f"train: {param_count / 1e6:.1f}M parameters, {hosts} hosts x {local} devices")
     batch = args.batch_per_device * mesh.size
-    param_specs = {k: P(*FSDP_SPECS.get(k, ())) if fsdp else P() for k in params_np}
     if lm:
         param_specs = jax.tree.map(lambda _: P(), params_np)
+    else:
+        param_specs = {k: P(*FSDP_SPECS.get(k, ())) if fsdp else P() for k in params_np}
 
     def sharded(value, spec=rows):
         sharding = NamedSharding(mesh, spec)
@@ -602,10 +603,9 @@ def run_train(args):
     # held-out samples, drawn apart from them.
     batches = [draw(np.random.default_rng([1, i]), batch) for i in range(args.steps + 1)]
     held_out = draw(np.random.default_rng(2), HELD_OUT_PER_DEVICE * mesh.size)
-    accuracy = (
-        None
-        if lm
-        else jax.jit(
+    accuracy = None  # the LM's loss is its measure
+    if not lm:
+        accuracy = jax.jit(
             jax.shard_map(
                 functools.partial(held_out_accuracy, fsdp=fsdp),
                 mesh=mesh,
@@ -613,18 +613,16 @@ def run_train(args):
                 out_specs=P(),
             )
         )
-    )
 
     if args.params_out:
         save_params(args.params_out, "init", params0)
     out = []
     for config in args.configs.split(","):
         row = {"hosts": hosts, "devices": mesh.size, "config": config, "params": param_count}
-        row["batch_per_device"] = args.batch_per_device
+        row.update(model=args.model, batch_per_device=args.batch_per_device)
         if fsdp:
             row["fsdp"] = args.fsdp
         # The leaf shapes follow from these (the cost model's PowerSGD term needs them).
-        row["model"] = args.model
         if not lm:
             row.update(features=args.features, hidden=args.hidden, classes=CLASSES)
         try:
@@ -671,7 +669,11 @@ def run_train(args):
                 row["compute_under_collectives"] = under
             times, losses = [], []
             # compute: each device holds its own params, which no accuracy describes.
-            accs = [] if config == "compute" or lm else [float(accuracy(params, *held_out))]
+            accs = (
+                []
+                if config == "compute" or accuracy is None
+                else [float(accuracy(params, *held_out))]
+            )
             for i in range(args.steps + 1):  # the first compiles
                 x, y = batches[i]
                 start = time.perf_counter()
