@@ -66,7 +66,7 @@ sys.path.insert(0, HERE)  # network_worker, also when imported by the tests
 import network_worker  # noqa: E402  (beside this file; no JAX at import)
 from _common import pyplot  # noqa: E402
 
-from jaxcomm import launch as launch_module  # noqa: E402  (standard library only)
+from jaxcomm import launch as launch_module  # noqa: E402  (its visible_gpus)
 
 NCCL_ENV = {
     "NCCL_P2P_DISABLE": "1",
