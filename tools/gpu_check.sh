@@ -9,11 +9,12 @@
 # tools/nccl_group_probe.cc (the host's cost of an NCCL group); then the
 # collectives across 2 and 4 processes sharing the GPU over NCCL's sockets
 # (tests/test_cuda_processes.py: every algorithm and wire, masked,
-# hierarchical, a training step, against NumPy) and the allreduce table on
-# that network (bench/gpu_network.py: the 64 MiB allreduce against lax.psum
+# hierarchical, a training step, against NumPy) and the tables on that
+# network (bench/gpu_network.py: the 64 MiB allreduce against lax.psum
 # float32, double buffering's overlap, the training step of every
-# configuration), each against its target. With OWN_COMMS=1, where this jaxlib lends handlers XLA's
-# NCCL communicators, the GPU tests once more on a build forced onto
+# configuration), each against its target. With OWN_COMMS=1, where this
+# jaxlib lends handlers XLA's NCCL communicators, the GPU tests once more on
+# a build forced onto
 # jaxcomm's own (the path jaxlib 0.10 takes): two more builds, so raise
 # BUDGET_S (to 900) with it.
 #
