@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# Everything a GPU machine can check, in one command and without the network:
-# builds jaxcomm with its CUDA module against the jax installed there (once),
-# runs every GPU test (kernels against NumPy, NCCL collectives, a plain JAX
-# and a Flax/optax training step with backend="ffi" against backend="xla")
-# and the host-side CUDA tests, a smoke subset of the CPU suite (which a GPU
-# machine runs on its 8 forced host devices, -m "not gpu"), then
-# bench/kernels.py (kernel bandwidth, ffi allreduce against lax.psum) and
-# tools/nccl_group_probe.cc (the host's cost of an NCCL group); then the
-# collectives across 2 and 4 processes sharing the GPU over NCCL's sockets
-# (tests/test_cuda_processes.py: every algorithm and wire, masked,
-# hierarchical, a training step, against NumPy) and the tables on that
-# network (bench/gpu_network.py: the 64 MiB allreduce against lax.psum
-# float32, double buffering's overlap, the training step of every
-# configuration), each against its target. With OWN_COMMS=1, where this
-# jaxlib lends handlers XLA's NCCL communicators, the GPU tests once more on
-# a build forced onto
-# jaxcomm's own (the path jaxlib 0.10 takes): two more builds, so raise
-# BUDGET_S (to 900) with it.
+# Everything a GPU machine can check, in one command and without the network,
+# in this order: builds jaxcomm with its CUDA module against the jax installed
+# there (once); runs every GPU test (kernels against NumPy, NCCL collectives,
+# a plain JAX and a Flax/optax training step with backend="ffi" against
+# backend="xla") and the host-side CUDA tests; the collectives across 2 and 4
+# processes sharing the GPU over NCCL's sockets (tests/test_cuda_processes.py:
+# every algorithm and wire, masked, hierarchical, a training step, against
+# NumPy); bench/kernels.py (each kernel against XLA's fusion of the same
+# work); the tables on that network (bench/gpu_network.py: the 64 MiB
+# allreduce against lax.psum float32, double buffering's overlap, the
+# training step of every configuration), each against its target; a smoke
+# subset of the CPU suite (which a GPU machine runs on its 8 forced host
+# devices, -m "not gpu"); tools/nccl_group_probe.cc (the host's cost of an
+# NCCL group). With OWN_COMMS=1, where this jaxlib lends handlers XLA's NCCL
+# communicators, the GPU tests once more on a build forced onto jaxcomm's own
+# (the path jaxlib 0.10 takes): two more builds, so raise BUDGET_S (to 900)
+# with it.
 #
 #   tools/gpu_check.sh [OUTDIR]        # default: build/gpu_check (git ignores build/)
 #
