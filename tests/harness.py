@@ -79,6 +79,18 @@ def random_grads(rng, shapes: dict, n_devices: int, steps: int, scale=1.0) -> li
     ]
 
 
+def regression_data(rng, steps, devices, batch, features, *, shared_inputs=False):
+    """Per step and device a batch of a linear regression, float32 ``x`` of
+    shape (steps, devices, batch, features) and ``y`` (steps, devices, batch);
+    each device's targets come from its own weights and bias. With
+    ``shared_inputs`` every device sees the same x."""
+    truth = rng.standard_normal((devices, features + 1))
+    x = rng.standard_normal((steps, 1 if shared_inputs else devices, batch, features))
+    x = np.broadcast_to(x, (steps, devices, batch, features)).astype(np.float32)
+    y = np.einsum("sdbf,df->sdb", x, truth[:, :-1]) + truth[:, -1][None, :, None]
+    return x, y.astype(np.float32)
+
+
 def run_steps(tx, params, grads_seq, mesh, *, check_vma: bool = True):
     """Runs `tx` for len(grads_seq) steps on every device of `mesh`.
 

@@ -31,7 +31,7 @@ import jaxcomm
 from jaxcomm._sync_schedule import applies, syncs
 from jaxcomm.collectives import _peers
 from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
-from tests.harness import mesh_of
+from tests.harness import mesh_of, regression_data
 from tests.reference import Adam as NpAdam
 from tests.reference import Sgd as NpSgd
 
@@ -51,13 +51,7 @@ INNER_LR, OUTER_LR, OUTER_MOMENTUM = 0.05, 0.7, 0.9
 
 
 def _data(steps: int, seed: int = 0):
-    """Per step and device a batch of a linear regression; each device's targets
-    come from its own weights."""
-    rng = np.random.default_rng(seed)
-    truth = rng.standard_normal((N, FEATURES + 1))
-    x = rng.standard_normal((steps, N, BATCH, FEATURES)).astype(np.float32)
-    y = np.einsum("sdbf,df->sdb", x, truth[:, :-1]) + truth[:, -1][None, :, None]
-    return x, y.astype(np.float32)
+    return regression_data(np.random.default_rng(seed), steps, N, BATCH, FEATURES)
 
 
 def _initial_params():

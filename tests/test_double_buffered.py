@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from tests import reference as reference_opt
-from tests.harness import mesh_of
+from tests.harness import mesh_of, regression_data
 
 N = 8
 SHAPES = {"b": (), "w": (6,)}
@@ -39,14 +39,8 @@ LR, MOMENTUM = 0.05, 0.9
 
 
 def _data(*, shared_inputs: bool = False, seed: int = 0):
-    """Per step and device a batch; each device's targets come from its own
-    weights. With ``shared_inputs`` every device sees the same x."""
     rng = np.random.default_rng(seed)
-    truth = rng.standard_normal((N, FEATURES + 1))
-    x = rng.standard_normal((STEPS, 1 if shared_inputs else N, BATCH, FEATURES))
-    x = np.broadcast_to(x, (STEPS, N, BATCH, FEATURES)).astype(np.float32)
-    y = np.einsum("sdbf,df->sdb", x, truth[:, :-1]) + truth[:, -1][None, :, None]
-    return x, y.astype(np.float32)
+    return regression_data(rng, STEPS, N, BATCH, FEATURES, shared_inputs=shared_inputs)
 
 
 def _params():
