@@ -3,10 +3,11 @@ copy it: as its own file, in a fresh `python` process started in the repo
 root, without the XLA_FLAGS that conftest.py sets for the tests (a block that
 needs 8 CPU devices sets them itself, before it imports jax).
 
-A block that goes on from the one before it says so on the line right above
-its fence, `<!-- continues the block above -->` (invisible on GitHub); it
-runs appended to that block (and to whatever that one continues), as one
-program. Blocks in other languages (bash) are not run here.
+A block that goes on from the ones before it says so on the line right above
+its fence, `<!-- continues the blocks above -->` (invisible on GitHub): it
+runs appended to every python block above it in the same file, as one
+program, the way a reader pastes them into one session. Blocks in other
+languages (bash) are not run here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONTINUES = "<!-- continues the block above -->"
+CONTINUES = "<!-- continues the blocks above -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 TIMEOUT_S = 300
 
@@ -32,21 +33,20 @@ def _documents() -> list[pathlib.Path]:
 
 
 def _programs() -> list:
-    """One param per python block: the program it runs (with the blocks it
-    continues), with the id `file:block number`."""
+    """One param per python block: the program it runs (after the blocks
+    above it, if it continues them), with the id `file:block number`."""
     params = []
     for path in _documents():
         text = path.read_text()
         name = path.relative_to(ROOT).as_posix()
-        program = None
+        above = ""  # every python block of the file so far
         for number, match in enumerate(FENCE.finditer(text), 1):
-            above = text[: match.start()].rstrip("\n").rpartition("\n")[2].strip()
-            if above == CONTINUES:
-                assert program is not None, f"{name}:{number} continues no block"
-                program = program + match.group(1)
-            else:
-                program = match.group(1)
-            params.append(pytest.param(program, id=f"{name}:{number}"))
+            code = match.group(1)
+            if text[: match.start()].rstrip("\n").rpartition("\n")[2].strip() == CONTINUES:
+                assert above, f"{name}:{number} continues no block"
+                code = above + code
+            above += match.group(1)
+            params.append(pytest.param(code, id=f"{name}:{number}"))
     return params
 
 
@@ -65,6 +65,7 @@ def test_block_runs_on_its_own(program, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # As if the file were in the repo root: `import jaxcomm` finds this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["TMPDIR"] = str(tmp_path)  # what a block writes with tempfile stays here
     done = subprocess.run(
         [sys.executable, str(script)],
         cwd=ROOT,
