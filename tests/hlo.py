@@ -257,5 +257,10 @@ def count(hlo, opcode: str, *, branches: bool = True) -> int:
 
 
 def conditionals(hlo) -> list[Instruction]:
-    """The conditionals, wherever they are."""
-    return [i for i in program(hlo).walk() if i.opcode == "conditional"]
+    """The conditionals, each once, in whichever computation they are."""
+    return [
+        i
+        for instructions in program(hlo).computations.values()
+        for i in instructions
+        if i.opcode == "conditional"
+    ]
