@@ -12,6 +12,7 @@ bad options named at construction, and an Orbax checkpoint resumed mid-cycle.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import subprocess
@@ -31,6 +32,7 @@ import jaxcomm
 from jaxcomm._sync_schedule import applies, syncs
 from jaxcomm.collectives import _peers
 from jaxcomm.transforms.diloco import plan_fragments, sync_offsets
+from tests import hlo
 from tests.harness import mesh_of, regression_data
 from tests.reference import Adam as NpAdam
 from tests.reference import Sgd as NpSgd
@@ -160,6 +162,27 @@ def _start(tx, mesh, params):
     return run, params, _put(state, mesh, specs)
 
 
+_DEFAULTS = {"bucket_bytes": None, "delay": 0, "mixing": 0.0}
+
+
+@functools.cache
+def _shared_runner(inner: str, options: frozenset):
+    tx = _diloco(getattr(optax, inner)(INNER_LR), **dict(options))
+    with jax.set_mesh(_mesh()):
+        state = tx.init(_initial_params())
+    return tx, _runner(tx, _mesh(), state)[0]
+
+
+def _start_shared(inner: str, **options):
+    """_start for _diloco(optax.<inner>(INNER_LR), **options) on _initial_params,
+    with one jitted step per distinct program: the tests that run it and
+    the ones that read its HLO share its compile."""
+    options = {k: v for k, v in options.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}
+    tx, run = _shared_runner(inner, frozenset(options.items()))
+    _, params, state = _start(tx, _mesh(), _initial_params())
+    return run, params, state
+
+
 def _steps(run, params, state, x, y, mesh):
     """Runs every step (one in flight at a time); per step, NumPy (params, state)."""
     rows = NamedSharding(mesh, P("data"))
@@ -184,14 +207,14 @@ def _diloco(inner, **options):
 
 # -- against the reference --------------------------------------------------
 
-# name -> (inner, its reference, sync_every, fragments, options, collectives per
-# sync: "leaf" one per leaf synced, else that number).
+# name -> (inner optax optimizer, its reference, sync_every, fragments, options,
+# collectives per sync: "leaf" one per leaf synced, else that number).
 CASES = {
-    "adam_xla": (optax.adam(INNER_LR), NpAdam(INNER_LR), 4, 1, {"backend": "xla"}, "leaf"),
+    "adam_xla": ("adam", NpAdam(INNER_LR), 4, 1, {"backend": "xla"}, "leaf"),
     # One 4 MiB bucket.
-    "sgd_ffi": (optax.sgd(INNER_LR), NpSgd(INNER_LR), 4, 1, {"backend": "ffi"}, 1),
+    "sgd_ffi": ("sgd", NpSgd(INNER_LR), 4, 1, {"backend": "ffi"}, 1),
     "streaming_adam_xla_fused": (
-        optax.adam(INNER_LR),
+        "adam",
         NpAdam(INNER_LR),
         6,
         3,
@@ -199,7 +222,7 @@ CASES = {
         1,
     ),
     "streaming_sgd_ffi_unfused": (
-        optax.sgd(INNER_LR),
+        "sgd",
         NpSgd(INNER_LR),
         6,
         3,
@@ -215,8 +238,7 @@ def test_matches_the_float64_reference_step_by_step(case):
     mesh = _mesh()
     params = _initial_params()
     x, y = _data(STEPS)
-    tx = _diloco(inner, sync_every=sync_every, fragments=fragments, **options)
-    run, p, state = _start(tx, mesh, params)
+    run, p, state = _start_shared(inner, sync_every=sync_every, fragments=fragments, **options)
     got, _, _ = _steps(run, p, state, x, y, mesh)
     want = reference(np_inner, params, x, y, sync_every=sync_every, fragments=fragments)
     total = sum(int(np.prod(s)) for s in SHAPES.values())
@@ -554,107 +576,59 @@ def test_a_nonfinite_pseudo_gradient_is_flagged_on_every_device():
 
 # -- where the collectives are ----------------------------------------------
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"\b(?:to_apply|body|condition|calls)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+def _communicating(program: hlo.Program, name: str) -> int:
+    """What communicates in computation `name` and what it runs, branches
+    too (jaxcomm_pool and jaxcomm_after are local: they copy or wait)."""
+    return sum(bool(i.collective) for i in program.walk(name))
 
 
-def _computations(hlo: str):
-    """{name: [instruction lines]} and the entry's name."""
-    comps, entry, name = {}, None, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            name = m.group(2)
-            comps[name] = []
-            entry = name if m.group(1) else entry
-        elif name and line.strip() and line.strip() != "}":
-            comps[name].append(line)
-    return comps, entry
-
-
-def _communicates(line: str) -> bool:
-    # jaxcomm_pool and jaxcomm_after are local: they copy or wait, nothing travels.
-    return bool(
-        re.search(r"\ball-reduce(-start)?\(|custom_call_target=\"jaxcomm_(?!pool|after)", line)
-    )
-
-
-def _collectives_outside_branches(comps, name) -> int:
-    """Collectives reached from `name` without entering a conditional's branch."""
-    count = 0
-    for line in comps[name]:
-        count += _communicates(line)
-        if not _BRANCHES.search(line):
-            count += sum(_collectives_outside_branches(comps, c) for c in _CALLED.findall(line))
-    return count
-
-
-def _all_collectives(comps, name) -> int:
-    count = 0
-    for line in comps[name]:
-        count += _communicates(line)
-        called = _CALLED.findall(line)
-        m = _BRANCHES.search(line)
-        if m:
-            called += [c.strip().lstrip("%") for c in m.group(1).split(",")]
-        count += sum(_all_collectives(comps, c) for c in called)
-    return count
-
-
-def _conditionals(comps):
-    """Per conditional, the number of collectives in each branch."""
-    out = []
-    for lines in comps.values():
-        for line in lines:
-            m = _BRANCHES.search(line)
-            if m:
-                branches = [c.strip().lstrip("%") for c in m.group(1).split(",")]
-                out.append(sorted(_all_collectives(comps, b) for b in branches))
-    return out
+def _per_branch(program: hlo.Program, count) -> list[list[int]]:
+    """Per conditional, count(branch) for each of its branches, sorted."""
+    return [sorted(count(b) for b in c.branches) for c in hlo.conditionals(program)]
 
 
 @pytest.mark.parametrize(
-    ("fragments", "backend", "bucket_bytes", "delay"),
-    [(1, "xla", None, 0), (3, "xla", math.inf, 0), (3, "ffi", None, 0), (3, "xla", math.inf, 1)],
+    ("sync_every", "fragments", "backend", "bucket_bytes", "delay"),
+    [
+        (4, 1, "xla", None, 0),  # CASES["adam_xla"]'s program
+        (6, 3, "xla", math.inf, 0),  # CASES["streaming_adam_xla_fused"]'s
+        (6, 3, "ffi", None, 0),
+        (6, 3, "xla", math.inf, 1),
+    ],
 )
-def test_collectives_only_inside_the_sync_branch(fragments, backend, bucket_bytes, delay):
+def test_collectives_only_inside_the_sync_branch(
+    sync_every, fragments, backend, bucket_bytes, delay
+):
     """With a delay too: the collective in the sync's cond, none in the landing's."""
     mesh = _mesh()
-    tx = _diloco(
-        optax.adam(INNER_LR),
-        sync_every=6,
+    run, p, state = _start_shared(
+        "adam",
+        sync_every=sync_every,
         fragments=fragments,
         backend=backend,
         bucket_bytes=bucket_bytes,
         delay=delay,
         mixing=0.5 if delay else 0.0,
     )
-    run, p, state = _start(tx, mesh, _initial_params())
     x, y = _data(1)
     rows = NamedSharding(mesh, P("data"))
-    hlo = run.lower(p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
-    for text in (hlo.as_text(dialect="hlo"), hlo.compile().as_text()):
-        comps, entry = _computations(text)
-        assert _collectives_outside_branches(comps, entry) == 0
+    lowered = run.lower(p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
+    for program in (hlo.program(lowered), hlo.program(lowered.compile())):  # before and after
+        assert hlo.collectives(program, branches=False) == []
         # One conditional per fragment: collectives in its sync branch, none in the other;
         # one per leaf unfused (XLA may combine them when it compiles), else one.
-        syncs = [c for c in _conditionals(comps) if any(c)]
+        syncs = [
+            c for c in _per_branch(program, functools.partial(_communicating, program)) if any(c)
+        ]
         assert len(syncs) == fragments and all(c[0] == 0 for c in syncs), syncs
         if bucket_bytes is not None or backend == "ffi":
             assert syncs == [[0, 1]] * fragments
 
 
-_ARRAY_COPY = re.compile(r"=\s*[a-z0-9]+\[(\d[\d,]*)\][^=]*\scopy\(")
-
-
-def _array_copies(lines) -> list[str]:
+def _array_copies(instructions) -> list[hlo.Instruction]:
     """Copies of arrays of more than one element (scalar copies are free)."""
-    return [
-        line
-        for line in lines
-        if (m := _ARRAY_COPY.search(line)) and math.prod(map(int, m.group(1).split(","))) > 1
-    ]
+    return [i for i in instructions if i.opcode == "copy" and i.elements > 1]
 
 
 @pytest.mark.parametrize(
@@ -692,17 +666,12 @@ def test_a_step_that_does_not_sync_copies_nothing(fragments, delay, mixing, back
     grads = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((N, *x.shape)), params), NamedSharding(mesh, P("data"))
     )
-    comps, entry = _computations(run.lower(params, state, grads).compile().as_text())
+    program = hlo.compiled(run, params, state, grads)
     # lax.cond's branch 0 is its false branch: the one every step with nothing due takes.
-    not_due = [
-        m.group(1).split(",")[0].strip().lstrip("%")
-        for lines in comps.values()
-        for line in lines
-        if (m := _BRANCHES.search(line))
-    ]
+    not_due = [c.branches[0] for c in hlo.conditionals(program)]
     assert not_due
-    for name in [entry, *not_due]:
-        assert _array_copies(comps[name]) == [], name
+    for name in [program.entry, *not_due]:
+        assert _array_copies(program.computations[name]) == [], name
 
 
 # -- the surroundings --------------------------------------------------------
@@ -740,12 +709,11 @@ def test_checkpoint_resumes_bitwise_mid_cycle(tmp_path, options, monkeypatch):
     x, y = _data(20)
     tx = _diloco(optax.adam(INNER_LR), sync_every=4, fragments=2, **options)
     run, p, state = _start(tx, mesh, params)
-    _, p_straight, state_straight = _steps(run, p, state, x, y, mesh)
-
-    run, p, state = _start(tx, mesh, params)
     _, p10, state10 = _steps(run, p, state, x[:10], y[:10], mesh)  # mid-cycle: 10 % 4 == 2
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "step10", (p10, state10))
+    # Straight on from there, in this job: the run the resumed one must equal.
+    _, p_straight, state_straight = _steps(run, p10, state10, x[10:], y[10:], mesh)
     # A fresh start as the template, as a new process would build it; a new
     # job draws its own nonce, so the started exchange is not its own.
     monkeypatch.setattr(_peers, "_nonce", [np.int32(_peers.job_nonce() ^ 1)])
@@ -778,38 +746,19 @@ def test_a_started_sync_is_finished_in_its_landing_step_only():
     run, p, state = _start(tx, mesh, _initial_params())
     x, y = _data(1)
     rows = NamedSharding(mesh, P("data"))
-    text = run.lower(p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
-    comps, entry = _computations(text.compile().as_text())
-    assert _collectives_outside_branches(comps, entry) == 0
+    program = hlo.compiled(run, p, state, jax.device_put(x[0], rows), jax.device_put(y[0], rows))
+    assert hlo.collectives(program, branches=False) == []
 
     def calls(target):
-        return [
-            sorted(
-                _count_target(comps, b.strip().lstrip("%"), target) for b in m.group(1).split(",")
-            )
-            for lines in comps.values()
-            for line in lines
-            if (m := _BRANCHES.search(line))
-        ]
+        return _per_branch(program, lambda b: sum(i.target == target for i in program.walk(b)))
 
     starts, dones = calls("jaxcomm_allreduce_start"), calls("jaxcomm_allreduce_done")
     # Per fragment one cond starts (one group: float32) and one finishes.
     assert sorted(starts, reverse=True)[:3] == [[0, 1]] * 3 and sum(map(sum, starts)) == 3
     assert sorted(dones, reverse=True)[:3] == [[0, 1]] * 3 and sum(map(sum, dones)) == 3
-    for lines in comps.values():  # never both in one branch
-        text = "\n".join(lines)
-        assert not ("jaxcomm_allreduce_start" in text and "jaxcomm_allreduce_done" in text)
-
-
-def _count_target(comps, name, target) -> int:
-    count = 0
-    for line in comps[name]:
-        count += f'custom_call_target="{target}"' in line
-        called = _CALLED.findall(line)
-        if m := _BRANCHES.search(line):
-            called += [c.strip().lstrip("%") for c in m.group(1).split(",")]
-        count += sum(_count_target(comps, c, target) for c in called)
-    return count
+    for instructions in program.computations.values():  # never both in one branch
+        targets = {i.target for i in instructions}
+        assert not {"jaxcomm_allreduce_start", "jaxcomm_allreduce_done"} <= targets
 
 
 def test_a_landing_without_its_started_exchange_reduces_what_was_sent():
@@ -906,6 +855,7 @@ def test_local_params_outside_shard_map_is_refused():
         jaxcomm.local_params(optax.sgd(0.1).init(_initial_params()))
 
 
+@pytest.mark.slow  # starts a Python process
 def test_building_starts_no_backend():
     """It may be built before jax.distributed.initialize, like the other transforms."""
     code = (

@@ -13,8 +13,8 @@ payload travels as bytes, in the compiled HLO.
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from tests.harness import assert_same_on_all_devices, mesh_of, run_sharded, run_steps
+from tests import hlo
+from tests.harness import (
+    assert_same_on_all_devices,
+    mesh_of,
+    run_sharded,
+    run_steps,
+    sharded_runner,
+)
 
 N = 8
 WIRES = ["float8_e4m3fn", "float8_e5m2"]
@@ -61,15 +68,23 @@ def _data(kind: str, rng, shape=(N, 1000)) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _allreduce(x, mesh, *, op="mean", wire="float8_e4m3fn"):
-    return run_sharded(lambda v: jaxcomm.allreduce(v, "data", op=op, wire_dtype=wire), mesh, x)
+@functools.cache
+def _allreduce_runner(op, wire):
+    """One program per op and wire, compiled once per input shape and dtype."""
+    return sharded_runner(
+        lambda v: jaxcomm.allreduce(v, "data", op=op, wire_dtype=wire), mesh_of((N,), ("data",))
+    )
+
+
+def _allreduce(x, *, op="mean", wire="float8_e4m3fn"):
+    return _allreduce_runner(op, wire)(x)
 
 
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("kind", ["normal", "wide", "huge", "tiny", "zeros", "one_device"])
-def test_mean_within_the_bound_of_float64(mesh, wire, kind):
+def test_mean_within_the_bound_of_float64(wire, kind):
     x = _data(kind, np.random.default_rng(1))
-    got = _allreduce(x, mesh, wire=wire)
+    got = _allreduce(x, wire=wire)
     assert_same_on_all_devices(got)
     assert np.all(np.isfinite(got))
     want = x.astype(np.float64).mean(0)
@@ -83,16 +98,16 @@ def test_mean_within_the_bound_of_float64(mesh, wire, kind):
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_sum_within_n_times_the_bound(mesh, wire):
+def test_sum_within_n_times_the_bound(wire):
     x = _data("normal", np.random.default_rng(2))
-    got = _allreduce(x, mesh, op="sum", wire=wire)[0].astype(np.float64)
+    got = _allreduce(x, op="sum", wire=wire)[0].astype(np.float64)
     want = x.astype(np.float64).sum(0)
     a = np.abs(x).max()
     assert np.all(np.abs(got - want) <= N * bound(wire) * a * (1 + F32_SLACK))
 
 
 @pytest.mark.parametrize("wire", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-def test_largest_values_stay_finite_for_every_sign_pattern(mesh, wire):
+def test_largest_values_stay_finite_for_every_sign_pattern(wire):
     """Every device at +-M_f32 (the mean is as large as the input), half of
     them each way (it cancels), and random signs: never inf or NaN."""
     big = float(np.finfo(np.float32).max)
@@ -103,29 +118,23 @@ def test_largest_values_stay_finite_for_every_sign_pattern(mesh, wire):
         np.random.default_rng(3).choice([-big, big], (N, 64)),
     ]
     x = np.concatenate(rows, axis=1).astype(np.float32)
-    got = _allreduce(x, mesh, wire=wire)[0].astype(np.float64)
+    got = _allreduce(x, wire=wire)[0].astype(np.float64)
     assert np.all(np.isfinite(got))
     want = x.astype(np.float64).mean(0)
     assert np.all(np.abs(got - want) <= bound(np.dtype(wire).name) * big * (1 + F32_SLACK))
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_inf_and_nan_are_not_hidden(mesh, wire):
-    x = _data("normal", np.random.default_rng(4), (N, 16))
+def test_inf_and_nan_are_not_hidden(wire):
+    x = _data("normal", np.random.default_rng(4))  # the mean test's shape: its program
     x[2, 5], x[6, 9] = np.inf, np.nan
-    got = _allreduce(x, mesh, wire=wire)[0]
+    got = _allreduce(x, wire=wire)[0]
     assert not np.isfinite(got[5]) and np.isnan(got[9])
     # The other elements keep their scale: the non-finite ones take no part in it.
-    rest = np.delete(np.arange(16), [5, 9])
+    rest = np.delete(np.arange(x.shape[1]), [5, 9])
     a = np.abs(np.delete(x, [5, 9], axis=1)).max()
     err = np.abs(got[rest] - x[:, rest].astype(np.float64).mean(0))
     assert np.all(err <= bound(wire) * a * (1 + F32_SLACK))
-
-
-def _collectives(hlo: str) -> list[tuple[str, str]]:
-    """(op, result type text) of every collective in compiled HLO text."""
-    ops = "all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all"
-    return re.findall(rf"= (\([^()]*\)|[^ ]+) ({ops})(?:-start)?\(", hlo)
 
 
 @pytest.mark.parametrize("wire", WIRES)
@@ -141,14 +150,12 @@ def test_hlo_adds_nothing_in_8_bits_and_sends_bytes(mesh, wire):
         return jaxcomm.allreduce(x * 1.0, "data", op="mean", wire_dtype=wire)
 
     x = jax.device_put(jnp.ones(N * n), NamedSharding(mesh, P("data")))
-    hlo = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
-    found = _collectives(hlo.lower(x).compile().as_text())
-    assert sorted(op for _, op in found) == ["all-gather", "all-to-all"], found
-    for types, op in found:
-        shapes = re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types)
-        assert {t for t, _ in shapes} == {"u8"}, (op, types)
-        elements = sum(int(np.prod([int(d) for d in dims.split(",") if d])) for _, dims in shapes)
-        assert elements == N * (n // N + 2), (op, types)  # the rows and one exponent each
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    found = hlo.collectives(hlo.compiled(step, x))
+    assert sorted(c.collective for c in found) == ["all-gather", "all-to-all"], found
+    for c in found:
+        assert c.dtypes == {"u8"}, c
+        assert c.elements == N * (n // N + 2), c  # the rows and one exponent each
 
 
 def test_auto_with_a_chunk_mask_runs_the_fp8_schedule_not_ffi(mesh):
@@ -163,13 +170,11 @@ def test_auto_with_a_chunk_mask_runs_the_fp8_schedule_not_ffi(mesh):
         )
 
     x = jax.device_put(jnp.ones(N * n), NamedSharding(mesh, P("data")))
-    hlo = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
-    text = hlo.lower(x).compile().as_text()
-    assert "custom-call" not in text
-    found = _collectives(text)
-    assert found and {t for types, _ in found for t in re.findall(r"([a-z0-9]+)\[", types)} == {
-        "u8"
-    }, found
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    compiled = hlo.compiled(step, x)
+    assert hlo.custom_calls(compiled) == []
+    found = hlo.collectives(compiled)
+    assert found and set().union(*(c.dtypes for c in found)) == {"u8"}, found
 
 
 @pytest.mark.parametrize("wire", [jnp.float8_e4m3fn, "float8_e5m2"])
@@ -282,15 +287,13 @@ def test_stats_count_one_byte_an_element_and_the_exponents(mesh, bucket_bytes, b
     f = jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
     )
-    found = _collectives(f.lower(params, state, grads).compile().as_text())
+    compiled = f.lower(params, state, grads).compile()
     sent = 0
-    for types, _ in found:
-        shapes = re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types)
-        assert {t for t, _ in shapes} == {"u8"}, found
+    for c in hlo.collectives(compiled):
+        assert c.dtypes == {"u8"}, c
         # Each collective's result holds N rows; a device sends N-1 of them.
-        total = sum(int(np.prod([int(d) for d in dims.split(",") if d])) for _, dims in shapes)
-        sent += total * (N - 1) // N
-    _, state = jax.block_until_ready(f(params, state, grads))
+        sent += c.bytes * (N - 1) // N
+    _, state = jax.block_until_ready(compiled(params, state, grads))  # the program read
     stats = jaxcomm.get_stats(state)
     elements = sum(a.size for a in jax.tree.leaves(params))
     assert float(stats.payload_bytes) == elements + buckets * N * (parts + 1)
@@ -336,7 +339,7 @@ def test_chunk_sparse_exchanges_chunks_within_the_bound(mesh, wire):
 
 
 @pytest.mark.parametrize("axes", [("a", "b"), "b"])
-def test_over_two_axes_one_of_them_and_under_pmap(axes):
+def test_over_two_axes_or_one_of_them(axes):
     """The all-to-all and all-gather follow the ranks of a tuple of axes, and
     a reduction over one axis of two reduces each group on its own."""
     x = _data("wide", np.random.default_rng(7), (N, 96))
@@ -351,6 +354,9 @@ def test_over_two_axes_one_of_them_and_under_pmap(axes):
         err = np.abs(got[0] - group.astype(np.float64).mean(0))
         assert np.all(err <= bound("float8_e4m3fn") * np.abs(group).max() * (1 + F32_SLACK))
 
+
+def test_under_pmap():
+    x = _data("wide", np.random.default_rng(7), (N, 96))
     f = jax.pmap(lambda v: jaxcomm.allreduce(v, "i", wire_dtype="float8_e5m2"), axis_name="i")
     got = np.asarray(jax.block_until_ready(f(x)))
     assert_same_on_all_devices(got)
@@ -359,9 +365,9 @@ def test_over_two_axes_one_of_them_and_under_pmap(axes):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16])
-def test_16_bit_inputs_add_only_their_own_rounding(mesh, dtype):
+def test_16_bit_inputs_add_only_their_own_rounding(dtype):
     x = _data("normal", np.random.default_rng(8)).astype(dtype)
-    got = _allreduce(x, mesh, wire="float8_e4m3fn")
+    got = _allreduce(x, wire="float8_e4m3fn")
     assert got.dtype == dtype
     want = x.astype(np.float64).mean(0)
     own = float(jnp.finfo(dtype).eps) / 2 * np.abs(want)  # rounding the result to dtype

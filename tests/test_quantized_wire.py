@@ -13,8 +13,8 @@ HLO (bytes, int4 two to a byte, nothing added on the wire).
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.collectives import Wire, _quantized
-from tests.harness import assert_same_on_all_devices, mesh_of, run_sharded, run_steps
+from tests import hlo
+from tests.harness import (
+    assert_same_on_all_devices,
+    mesh_of,
+    run_sharded,
+    run_steps,
+    sharded_runner,
+)
 
 N = 8
 CHUNK = 256
@@ -45,9 +52,17 @@ def _local_max(x: np.ndarray, window: int = WINDOW) -> np.ndarray:
     return np.array([a[max(0, e - window) : e + window + 1].max() for e in range(n)])
 
 
+@functools.cache
+def _allreduce_runner(n_devices: int, op: str, wire):
+    """One program per device count, op and wire, compiled once per input shape."""
+    return sharded_runner(
+        lambda v: jaxcomm.allreduce(v, "data", op=op, wire_dtype=wire),
+        mesh_of((n_devices,), ("data",)),
+    )
+
+
 def _allreduce(x, n_devices: int, *, op="mean", wire="int8"):
-    mesh = mesh_of((n_devices,), ("data",))
-    return run_sharded(lambda v: jaxcomm.allreduce(v, "data", op=op, wire_dtype=wire), mesh, x)
+    return _allreduce_runner(n_devices, op, wire)(x)
 
 
 # -- a NumPy replay of the schedule, written from the module docstring --------
@@ -102,18 +117,43 @@ def _np_schedule(x: np.ndarray, wire: str, *, op="mean", parts=None) -> np.ndarr
 # -- the result ---------------------------------------------------------------
 
 SIZES = [1, 3, 250, 257, 5 * 103, 1000, 2 * CHUNK * 8 + 5]  # not multiples of CHUNK or N
+OPS = ["mean", "sum"]
+
+
+def _replay_inputs(devices: int) -> list[np.ndarray]:
+    """Per size, (devices, n) float32 whose magnitudes change along the input,
+    so that a chunk's scale matters."""
+    rng = np.random.default_rng(devices)
+    xs = []
+    for n in SIZES:
+        x = rng.standard_normal((devices, n)) * 10.0 ** rng.uniform(-2, 2, n)
+        xs.append(x.astype(np.float32))
+    return xs
+
+
+@functools.cache
+def _replay_results(devices: int) -> dict:
+    """{(wire, op): per size, the allreduce of _replay_inputs(devices)}: every
+    size, op and wire a call of its own, all in one program per device count
+    (one compile instead of 28)."""
+
+    def calls(*xs):
+        return {
+            (wire, op): [jaxcomm.allreduce(x, "data", op=op, wire_dtype=wire) for x in xs]
+            for wire in WIRES
+            for op in OPS
+        }
+
+    mesh = mesh_of((devices,), ("data",))
+    return run_sharded(calls, mesh, *_replay_inputs(devices))
 
 
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("devices", [2, 3, 8])
-@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("op", OPS)
 def test_matches_the_numpy_replay_and_the_bound(wire, devices, op):
-    rng = np.random.default_rng(devices)
-    for n in SIZES:
-        # Magnitudes that change along the input, so a chunk's scale matters.
-        x = rng.standard_normal((devices, n)) * 10.0 ** rng.uniform(-2, 2, n)
-        x = x.astype(np.float32)
-        got = _allreduce(x, devices, op=op, wire=wire)
+    results = _replay_results(devices)[wire, op]
+    for n, x, got in zip(SIZES, _replay_inputs(devices), results, strict=True):
         assert_same_on_all_devices(got)
         a = _local_max(x)
         replay = _np_schedule(x, wire, op=op)
@@ -131,12 +171,14 @@ def test_shapes_and_bfloat16_input(wire):
     """Any leaf shape comes back in its shape; a bfloat16 input adds only
     the rounding of the result to bfloat16."""
     rng = np.random.default_rng(1)
-    mesh = mesh_of((N,), ("data",))
-    for shape in [(), (7, 5), (3, 300), (2, 2, 129)]:
-        x = rng.standard_normal((N, *shape)).astype(jnp.bfloat16)
-        got = run_sharded(
-            lambda v: jaxcomm.allreduce(v, "data", op="mean", wire_dtype=wire), mesh, x
-        )
+    shapes = [(), (7, 5), (3, 300), (2, 2, 129)]
+    xs = [rng.standard_normal((N, *shape)).astype(jnp.bfloat16) for shape in shapes]
+    outs = run_sharded(  # a call per shape, in one program
+        lambda *vs: [jaxcomm.allreduce(v, "data", op="mean", wire_dtype=wire) for v in vs],
+        mesh_of((N,), ("data",)),
+        *xs,
+    )
+    for shape, x, got in zip(shapes, xs, outs, strict=True):
         assert got.shape == x.shape and got.dtype == jnp.bfloat16
         want = x.astype(np.float64).reshape(N, -1).mean(0)
         own = 2.0**-8 * np.abs(want)  # the result rounded to bfloat16
@@ -165,11 +207,12 @@ def test_zeros_stay_zeros_and_a_huge_value_costs_only_its_neighbours(wire):
 
 @pytest.mark.parametrize("wire", WIRES)
 def test_inf_and_nan_make_their_chunks_nan_and_nothing_else(wire):
-    x = np.random.default_rng(3).standard_normal((N, 2000)).astype(np.float32)
+    # 3000 elements, as above: the same program.
+    x = np.random.default_rng(3).standard_normal((N, 3000)).astype(np.float32)
     x[2, 300], x[6, 1500] = np.inf, np.nan
     got = _allreduce(x, N, wire=wire)[0]
     assert np.isnan(got[300]) and np.isnan(got[1500])
-    far = (np.abs(np.arange(2000) - 300) > WINDOW) & (np.abs(np.arange(2000) - 1500) > WINDOW)
+    far = (np.abs(np.arange(3000) - 300) > WINDOW) & (np.abs(np.arange(3000) - 1500) > WINDOW)
     assert np.all(np.isfinite(got[far]))
     err = np.abs(got[far] - x[:, far].astype(np.float64).mean(0))
     assert np.all(err <= (1 / Q[wire] + ROUNDING) * np.abs(x[:, far]).max())
@@ -220,15 +263,9 @@ def test_the_header_holds_every_chunk_a_row_touches():
 # -- the wire in the compiled program ------------------------------------------
 
 
-def _collectives(hlo: str) -> list[tuple[str, str]]:
-    ops = "all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all"
-    return re.findall(rf"= (\([^()]*\)|[^ ]+) ({ops})(?:-start)?\(", hlo)
-
-
-def _bytes_of(types: str) -> int:
-    shapes = re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", types)
-    assert {t for t, _ in shapes} == {"u8"}, types
-    return sum(int(np.prod([int(d) for d in dims.split(",") if d])) for _, dims in shapes)
+def _bytes_of(collective: hlo.Instruction) -> float:
+    assert collective.dtypes == {"u8"}, collective
+    return collective.bytes
 
 
 @pytest.mark.parametrize("wire,code_bytes", [("int8", 512), ("int4", 256)])
@@ -243,11 +280,11 @@ def test_hlo_sends_bytes_and_int4_half_as_many(wire, code_bytes):
         return jaxcomm.allreduce(x * 1.0, "data", op="mean", wire_dtype=wire)
 
     x = jax.device_put(jnp.ones(N * n), NamedSharding(mesh, P("data")))
-    hlo = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
-    found = _collectives(hlo.lower(x).compile().as_text())
-    assert sorted(op for _, op in found) == ["all-gather", "all-to-all"], found
-    for types, op in found:
-        assert _bytes_of(types) == N * (code_bytes + 2 * 4), (op, types)
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    found = hlo.collectives(hlo.compiled(step, x))
+    assert sorted(c.collective for c in found) == ["all-gather", "all-to-all"], found
+    for c in found:
+        assert _bytes_of(c) == N * (code_bytes + 2 * 4), c
     assert _quantized.exchange_bytes(n, 1, N, wire) == (N * (code_bytes + 8),) * 2
 
 
@@ -270,10 +307,11 @@ def test_stats_are_what_the_compiled_collectives_move(wire, bucket_bytes):
     f = jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
     )
-    found = _collectives(f.lower(params, state, grads).compile().as_text())
+    compiled = f.lower(params, state, grads).compile()
+    found = hlo.collectives(compiled)
     assert len(found) == (4 if bucket_bytes == 0 else 2), found
-    sent = sum(_bytes_of(types) * (N - 1) / N for types, _ in found)
-    _, state = jax.block_until_ready(f(params, state, grads))
+    sent = sum(_bytes_of(c) * (N - 1) / N for c in found)
+    _, state = jax.block_until_ready(compiled(params, state, grads))  # the program read
     stats = jaxcomm.get_stats(state)
     assert float(stats.bytes_sent) == pytest.approx(sent, rel=1e-6)
     # By hand for int8, one leaf: w's 2112 elements make rows of 264 (two
@@ -318,10 +356,13 @@ def test_error_feedback_residual_is_what_this_devices_encoding_dropped(wire, buc
         assert np.abs(e[k]).max() > 0
 
 
-def _sgd_on_a_quadratic(wire, error_feedback: bool, c, steps: int = 120):
+@functools.cache
+def _sgd_on_a_quadratic(wire, error_feedback: bool, seed: int = 7, steps: int = 120):
     """Device i's loss is |w - c_i|^2 / 2 (the c_i far apart, so each
     device's gradient stays large at the optimum, mean(c)); SGD with a
-    decaying step. Returns the final w."""
+    decaying step; c is _quadratic_centres(seed). Returns the final w
+    (cached: the float32 run serves both wires)."""
+    c = _quadratic_centres(seed)
     mesh = mesh_of((N,), ("data",))
     lr = optax.exponential_decay(0.5, transition_steps=1, decay_rate=0.95)
     tx = optax.chain(
@@ -347,6 +388,10 @@ def _sgd_on_a_quadratic(wire, error_feedback: bool, c, steps: int = 120):
     return np.asarray(params["w"], np.float64)
 
 
+def _quadratic_centres(seed: int) -> np.ndarray:
+    return (10.0 * np.random.default_rng(seed).standard_normal((N, 300))).astype(np.float32)
+
+
 @pytest.mark.parametrize("wire", WIRES)
 def test_error_feedback_sgd_converges_where_float32_does(wire):
     """float32 ends at mean(c) to 1e-3. With error feedback each device's
@@ -356,11 +401,11 @@ def test_error_feedback_sgd_converges_where_float32_does(wire):
     point SGD settles at is off by at most A / (2 Q^2), plus the last
     step's residual, 0.5 * 0.95^119 * A / Q. Without it the codes round
     the large gradients to a bias many times that."""
-    c = (10.0 * np.random.default_rng(7).standard_normal((N, 300))).astype(np.float32)
-    exact = _sgd_on_a_quadratic(None, False, c)
+    c = _quadratic_centres(7)
+    exact = _sgd_on_a_quadratic(None, False, 7)
     assert np.abs(exact - c.astype(np.float64).mean(0)).max() < 1e-3
-    with_ef = np.abs(_sgd_on_a_quadratic(wire, True, c) - exact).max()
-    without = np.abs(_sgd_on_a_quadratic(wire, False, c) - exact).max()
+    with_ef = np.abs(_sgd_on_a_quadratic(wire, True, 7) - exact).max()
+    without = np.abs(_sgd_on_a_quadratic(wire, False, 7) - exact).max()
     a = np.abs(c - c.astype(np.float64).mean(0)).max()
     q = Q[wire]
     assert with_ef <= a / (2 * q * q) + 0.5 * 0.95**119 * a / q + 1e-3, with_ef

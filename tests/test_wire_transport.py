@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import re
+import functools
 import warnings
 
 import jax
@@ -25,22 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests import hlo
 
 N = 8
-# An HLO collective: "%name = TYPE[DIMS]{layout} OP(" with OP a collective.
-_COLLECTIVE = re.compile(
-    r"= (?P<type>[a-z0-9]+)\[(?P<dims>[0-9,]*)\][^ ]* "
-    r"(?P<op>all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all)(-start)?\("
-)
-
-
-def _collectives(compiled_text: str) -> list[tuple[str, str, int]]:
-    """(op, element type, elements) of every collective in a compiled HLO module."""
-    out = []
-    for m in _COLLECTIVE.finditer(compiled_text):
-        dims = [int(d) for d in m["dims"].split(",") if d]
-        out.append((m["op"], m["type"], int(np.prod(dims)) if dims else 1))
-    return out
 
 
 def _mesh():
@@ -54,6 +41,12 @@ def _allreduce_fn(mesh, backend="xla", **opts):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
 
 
+@functools.cache
+def _ring_fn(wire):
+    """The ring's program for a wire, shared by the tests that read it and run it."""
+    return _allreduce_fn(_mesh(), algorithm="ring", wire_dtype=wire)
+
+
 def _sharded_input(mesh, n_per_device: int, seed: int = 0):
     x = np.random.default_rng(seed).standard_normal((N, n_per_device)).astype(np.float32)
     return x, jax.device_put(x.reshape(-1), NamedSharding(mesh, P("data")))
@@ -61,26 +54,23 @@ def _sharded_input(mesh, n_per_device: int, seed: int = 0):
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_ring_sends_16_bits_per_element(wire):
-    mesh = _mesh()
     n = 4096
-    _, x = _sharded_input(mesh, n)
-    f = _allreduce_fn(mesh, algorithm="ring", wire_dtype=wire)
-    found = _collectives(f.lower(x).compile().as_text())
+    _, x = _sharded_input(_mesh(), n)
+    found = hlo.collectives(hlo.compiled(_ring_fn(wire), x))
     assert found, "no collective in the compiled step"
     # N-1 permutes of one chunk (n/N elements) and one all-gather of n.
-    permutes = [c for c in found if c[0] == "collective-permute"]
-    gathers = [c for c in found if c[0] == "all-gather"]
+    permutes = [c for c in found if c.collective == "collective-permute"]
+    gathers = [c for c in found if c.collective == "all-gather"]
     assert len(permutes) == N - 1 and len(gathers) == 1, found
-    for op, etype, _ in found:
-        assert etype in ("u16", "f16", "bf16"), f"{op} carries {etype}: {found}"
-    assert all(c[2] == n // N for c in permutes) and gathers[0][2] == n
+    for c in found:
+        assert c.dtypes <= {"u16", "f16", "bf16"}, f"{c.collective} carries {c.dtypes}: {found}"
+    assert all(c.elements == n // N for c in permutes) and gathers[0].elements == n
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_ring_16_bit_result_matches_float64_within_the_wire_bound(wire):
-    mesh = _mesh()
-    xs, x = _sharded_input(mesh, 1000, seed=1)
-    got = np.asarray(_allreduce_fn(mesh, algorithm="ring", wire_dtype=wire)(x), np.float64)
+    xs, x = _sharded_input(_mesh(), 4096, seed=1)  # the size read above: its program
+    got = np.asarray(_ring_fn(wire)(x), np.float64)
     want = xs.astype(np.float64).mean(0)
     # Each value is rounded to the wire once per hop (N-1 hops of partial
     # sums, one for the gathered result): relative rounding 2^-8 (bfloat16)
@@ -110,10 +100,11 @@ def test_allreduce_gradients_stats_match_the_compiled_bytes():
     f = jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
     )
-    found = _collectives(f.lower(params, state, grads).compile().as_text())
-    gathered = sum(e for op, t, e in found if op == "all-gather")
-    assert {t for _, t, _ in found} == {"u16"}, found
-    _, state = f(params, state, grads)
+    compiled = f.lower(params, state, grads).compile()
+    found = hlo.collectives(compiled)
+    gathered = sum(c.elements for c in found if c.collective == "all-gather")
+    assert set().union(*(c.dtypes for c in found)) == {"u16"}, found
+    _, state = jax.block_until_ready(compiled(params, state, grads))  # the program read
     stats = jaxcomm.get_stats(state)
     elements = sum(a.size for a in jax.tree.leaves(params))
     assert gathered == elements  # every element is gathered once, in 2 bytes
@@ -125,9 +116,7 @@ def test_auto_is_the_ring_for_a_16_bit_wire_across_processes(monkeypatch):
     _, x = _sharded_input(mesh, 256)
 
     def ops(**opts):
-        return {
-            c[0] for c in _collectives(_allreduce_fn(mesh, **opts).lower(x).compile().as_text())
-        }
+        return {c.collective for c in hlo.collectives(hlo.compiled(_allreduce_fn(mesh, **opts), x))}
 
     assert ops(wire_dtype="bfloat16") == {"all-reduce"}  # one process: lax.psum
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -137,10 +126,11 @@ def test_auto_is_the_ring_for_a_16_bit_wire_across_processes(monkeypatch):
 
 
 def _paths(f, x) -> tuple[set, set]:
-    """(jaxcomm custom calls in the lowering, collectives in the compiled step)."""
+    """(jaxcomm custom calls in the lowering, what communicates in the compiled
+    step: XLA's collectives and jaxcomm's)."""
     lowered = f.lower(x)
-    calls = set(re.findall(r"custom_call @(jaxcomm\w+)", lowered.as_text()))
-    return calls, {c[0] for c in _collectives(lowered.compile().as_text())}
+    calls = {c.target for c in hlo.custom_calls(lowered) if c.target.startswith("jaxcomm")}
+    return calls, {c.collective for c in hlo.collectives(lowered.compile())}
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
@@ -150,12 +140,13 @@ def test_auto_takes_ffi_for_a_16_bit_wire_in_one_cpu_process(monkeypatch, wire):
     processes a 16-bit wire takes the xla ring."""
     mesh = _mesh()
     xs, x = _sharded_input(mesh, 1000, seed=2)
-    assert _paths(_allreduce_fn(mesh, "auto", wire_dtype=wire), x) == ({"jaxcomm_allreduce"}, set())
+    f = _allreduce_fn(mesh, "auto", wire_dtype=wire)
+    assert _paths(f, x) == ({"jaxcomm_allreduce"}, {"jaxcomm_allreduce"})
     assert _paths(_allreduce_fn(mesh, "auto"), x) == (set(), {"all-reduce"})
     # The result: each input rounded to the wire once (after the 1/N
     # prescale) and the float32 sum rounded to the wire once more, for any
     # N: a float16 psum's error would grow with N instead.
-    got = np.asarray(_allreduce_fn(mesh, "auto", wire_dtype=wire)(x), np.float64)
+    got = np.asarray(f(x), np.float64)  # the program read, compiled once
     want = xs.astype(np.float64).mean(0)
     eps = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[wire]
     bound = 2 * eps * np.abs(xs).astype(np.float64).mean(0) + 1e-7
@@ -190,7 +181,7 @@ def test_backend_auto_never_lowers_to_a_custom_call_on_gpu(monkeypatch):
         f = jax.jit(
             jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
         )
-        return re.findall(r"custom_call @(\w+)", f.lower(*args).as_text())
+        return [c.target for c in hlo.custom_calls(f.lower(*args))]
 
     assert any("jaxcomm" in c for c in custom_calls())  # CPU, one process: ffi
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -250,23 +241,31 @@ def test_chunk_sparse_xla_runs_with_replicated_out_specs_and_matches_ffi():
     assert float(jaxcomm.get_stats(xla_state).density) < 1
 
 
+_8_BIT_TXS = {
+    "dense": lambda w: optax.chain(
+        jaxcomm.allreduce_gradients("data", wire_dtype=w, error_feedback=w is not None),
+        optax.sgd(0.05),
+    ),
+    "sparse": lambda w: jaxcomm.chunk_sparse(
+        optax.sgd(0.05), "data", density=0.5, chunk_size=64, wire_dtype=w
+    ),
+}
+
+
+@functools.cache
+def _trained_on_float32(kind: str):
+    """The float32 wire's params after _train, once for both 8-bit wires."""
+    return _train(_8_BIT_TXS[kind](None), _mesh())[0]
+
+
 @pytest.mark.parametrize("wire", ["float8_e4m3fn", "float8_e5m2"])
 def test_8_bit_wires_run_the_readme_step_with_replicated_out_specs(wire):
     """backend='auto' takes xla for an 8-bit wire, also under chunk_sparse's
     mask (ffi has none), and the step trains close to the float32 wire."""
     mesh = _mesh()
-    txs = {
-        "dense": lambda w: optax.chain(
-            jaxcomm.allreduce_gradients("data", wire_dtype=w, error_feedback=w is not None),
-            optax.sgd(0.05),
-        ),
-        "sparse": lambda w: jaxcomm.chunk_sparse(
-            optax.sgd(0.05), "data", density=0.5, chunk_size=64, wire_dtype=w
-        ),
-    }
-    for make in txs.values():
+    for kind, make in _8_BIT_TXS.items():
         params, _ = _train(make(wire), mesh)
-        exact, _ = _train(make(None), mesh)
+        exact = _trained_on_float32(kind)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exact), strict=True):
             assert np.all(np.isfinite(a))
             # Three steps move w by up to 0.05 and b by 0.01; e5m2 lands within 0.003.
