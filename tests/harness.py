@@ -91,13 +91,14 @@ def regression_data(rng, steps, devices, batch, features, *, shared_inputs=False
     return x, y.astype(np.float32)
 
 
-def run_steps(tx, params, grads_seq, mesh, *, check_vma: bool = True):
+def run_steps(tx, params, grads_seq, mesh, *, check_vma: bool = True, each_step=None):
     """Runs `tx` for len(grads_seq) steps on every device of `mesh`.
 
     Every array carries one leading row per device (state and params too, so
     that per-device differences would show), so all of them are typed as
     varying; check_vma=False lifts that for transforms (like
-    optax.apply_if_finite) that need replicated types.
+    optax.apply_if_finite) that need replicated types. ``each_step``, if
+    given, is called with the params and the state (NumPy) after every step.
 
     Returns:
       (updates per step, final params, final state), as NumPy arrays with a
@@ -120,6 +121,8 @@ def run_steps(tx, params, grads_seq, mesh, *, check_vma: bool = True):
     for g in grads_seq:
         p, state, u = jax.block_until_ready(run(p, state, _put_rows(g, mesh)))
         updates.append(_to_numpy(u))
+        if each_step is not None:
+            each_step(_to_numpy(p), _to_numpy(state))
     return updates, _to_numpy(p), _to_numpy(state)
 
 

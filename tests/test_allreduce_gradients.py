@@ -421,10 +421,15 @@ def test_nonfinite_gradient_is_flagged_everywhere_and_skippable(mesh, double_buf
         jaxcomm.allreduce_gradients("data", **opts),
         optax.apply_if_finite(sgd, max_consecutive_errors=3),
     )
-    flags, params = [], None
-    for t in range(len(grads)):
-        _, params, state = run_steps(tx, _params(), grads[: t + 1], mesh, check_vma=False)
-        flags.append(np.asarray(jaxcomm.get_stats(state).nonfinite))
+    flags = []
+    _, params, state = run_steps(
+        tx,
+        _params(),
+        grads,
+        mesh,
+        check_vma=False,
+        each_step=lambda _, s: flags.append(np.asarray(jaxcomm.get_stats(s).nonfinite)),
+    )
     want_flags = [False] * len(grads)
     want_flags[2 + double_buffering] = True
     assert [bool(f.all()) for f in flags] == want_flags

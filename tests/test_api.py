@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import jaxcomm
 
 
@@ -56,6 +58,7 @@ _BUILD_THEN_INITIALIZE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_building_transforms_starts_no_backend():
     proc = subprocess.run(
         [sys.executable, "-c", _BUILD_THEN_INITIALIZE],

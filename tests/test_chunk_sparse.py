@@ -89,10 +89,12 @@ def test_momentum_sgd_is_algorithm1_step_by_step(mesh, backend, warmup):
         backend=backend,
     )
     want = algorithm1(_pool(_params()), [_pool_rows(g) for g in grads], density=0.3, warmup=warmup)
-    # One run, checking masks as they are produced: a run of t+1 steps ends
-    # with the mask for step t+1 and the params after step t.
-    for t in (0, 1, 4, 5, 6, 12, steps - 1):
-        _, p, s = run_steps(tx, _params(), grads[: t + 1], mesh)
+    # One run, checking masks as they are produced: after step t the state
+    # holds the mask for step t+1.
+    seen = []
+    run_steps(tx, _params(), grads, mesh, each_step=lambda p, s: seen.append((p, s)))
+    assert len(seen) == steps
+    for t, (p, s) in enumerate(seen):
         np.testing.assert_allclose(_pool_rows(p)[0], want[t][0], rtol=1e-5, atol=1e-5)
         if t + 1 < steps:
             np.testing.assert_array_equal(s.mask[0], want[t + 1][1])

@@ -155,10 +155,12 @@ def _enough_devices():
     so the test also runs on a GPU machine (against that jaxlib's headers)."""
 
 
+@pytest.mark.slow
 def test_scratch_follows_xla_allocator_rules_and_reports_its_reason(tmp_path_factory):
     _run_ok(_host_binary(tmp_path_factory, "scratch_test", SCRATCH_TEST))
 
 
+@pytest.mark.slow
 def test_hierarchical_sub_groups_put_each_rank_where_the_schedule_expects(tmp_path_factory):
     _run_ok(_host_binary(tmp_path_factory, "groups_test", GROUPS_TEST))
 
@@ -182,6 +184,7 @@ OWN_COMMS_SOURCES = (
 )
 
 
+@pytest.mark.slow
 def test_cuda_collectives_on_host_ranks_through_the_real_nccl_transport(tmp_path_factory):
     """8 ranks on host threads: ring, hierarchical (L=2, 4: the ncclCommSplit
     path) and direct (ncclAllReduce) for every wire type and sizes 1000, 3
@@ -222,6 +225,7 @@ def _ffi_has_collectives_extension() -> bool:
     return (api / "collectives_api.h").is_file()
 
 
+@pytest.mark.slow
 def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension(
     tmp_path_factory,
 ):

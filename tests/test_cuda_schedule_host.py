@@ -159,6 +159,7 @@ def test_reference_would_catch_adds_in_the_wire_type():
         assert np.sum(exact != rounded) > 100, wire
 
 
+@pytest.mark.slow
 def test_alltoall_sums_exactly_for_every_wire_and_group_size(exe, tmp_path):
     """N in {2, 3, 4, 8}, every wire, lengths below N, not divisible by N and
     empty; the plain sum and the mean (prescale 1/N); float16 and bfloat16
@@ -190,6 +191,7 @@ def test_alltoall_sums_exactly_for_every_wire_and_group_size(exe, tmp_path):
     cases.run(exe)
 
 
+@pytest.mark.slow
 def test_alltoall_clamps_a_mean_to_the_wire_and_never_returns_inf(exe, tmp_path):
     """Means of values at and near the wire's largest finite value: the
     encoded shards and their float32 sum may round past it, and are clamped
@@ -214,6 +216,7 @@ def test_alltoall_clamps_a_mean_to_the_wire_and_never_returns_inf(exe, tmp_path)
     cases.run(exe)
 
 
+@pytest.mark.slow
 def test_masked_alltoall_sums_only_the_selected_chunks(exe, tmp_path):
     """The chunk-sparse exchange packs the selected chunks (the first
     max_chunks of them where set) and runs the same schedule on them; the

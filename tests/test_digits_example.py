@@ -21,6 +21,7 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+@pytest.mark.slow
 def test_one_epoch_of_every_configuration(tmp_path, capsys):
     out = tmp_path / "results.json"
     argv = ["--epochs", "1", "--seeds", "0", "--no-progress", "--json", str(out)]

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import _ffi as ext
 from jaxcomm import _ffi_testing as harness
-from tests.harness import mesh_of, run_sharded
+from tests.harness import mesh_of, run_sharded, sharded_runner
 
 RING, HIERARCHICAL, DIRECT = 0, 1, 2
 F32 = 0
@@ -85,8 +85,9 @@ def test_no_slot_left_after_10000_calls():
 def test_no_slot_left_after_jitted_calls():
     mesh = mesh_of((8,), ("i",))
     xs = np.ones((8, 5), np.float32)
-    for _ in range(200):  # one step in flight at a time (run_sharded blocks)
-        out = run_sharded(lambda x: jaxcomm.allreduce(x, "i", backend="ffi"), mesh, xs)
+    run = sharded_runner(lambda x: jaxcomm.allreduce(x, "i", backend="ffi"), mesh)
+    for _ in range(200):  # one step in flight at a time (the runner blocks)
+        out = run(xs)
     np.testing.assert_array_equal(out[0], np.full(5, 8.0))
     assert ext.live_slots() == 0
 

@@ -182,6 +182,7 @@ def results(tmp_path_factory):
     return loaded
 
 
+@pytest.mark.slow
 def test_allreduce_across_processes_is_the_exact_sum(results):
     for out in results:
         want = out["ints"].astype(np.float64).sum(axis=0)  # small integers: float32 is exact
@@ -190,6 +191,7 @@ def test_allreduce_across_processes_is_the_exact_sum(results):
             np.testing.assert_array_equal(out[algorithm], np.broadcast_to(want, (2, 1001)))
 
 
+@pytest.mark.slow
 def test_float16_wire_across_processes_is_within_the_bound(results):
     for out in results:
         reals = out["reals"]
@@ -199,6 +201,7 @@ def test_float16_wire_across_processes_is_within_the_bound(results):
         np.testing.assert_array_equal(out["float16"][0], out["float16"][1])
 
 
+@pytest.mark.slow
 def test_chunk_mask_across_processes(results):
     for process, out in enumerate(results):
         ints, mask = out["ints"], out["mask"]
@@ -209,6 +212,7 @@ def test_chunk_mask_across_processes(results):
             np.testing.assert_array_equal(out["masked"][local], np.where(selected, total, own))
 
 
+@pytest.mark.slow
 def test_reduce_scatter_and_all_gather_across_processes(results):
     for process, out in enumerate(results):
         ints = out["ints"]
@@ -222,6 +226,7 @@ def test_reduce_scatter_and_all_gather_across_processes(results):
             np.testing.assert_array_equal(out["all_gather"][local], ints.reshape(-1))
 
 
+@pytest.mark.slow
 def test_allreduce_gradients_ffi_trains_like_xla(results):
     for out in results:
         # Same mean up to the order of 4 float32 additions: a few ulp of O(1) values.
@@ -229,6 +234,7 @@ def test_allreduce_gradients_ffi_trains_like_xla(results):
         assert not np.allclose(out["train_ffi"], [1, 1, 1, 1, 1, 0])  # the step moved
 
 
+@pytest.mark.slow
 def test_a_delayed_diloco_sync_overlaps_steps_across_processes(results):
     """Started in the sync step over TCP, in flight (one per local device)
     through the two steps after it, finished in the landing step: the same
@@ -239,6 +245,7 @@ def test_a_delayed_diloco_sync_overlaps_steps_across_processes(results):
         assert not np.allclose(out["diloco_started"], [1, 1, 1, 1, 1, 0])
 
 
+@pytest.mark.slow
 def test_a_process_that_never_joins_is_named_within_the_timeout(tmp_path):
     start = time.monotonic()
     result = _launch(tmp_path, MISSING_PEER, "60", timeout=90)

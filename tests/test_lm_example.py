@@ -38,6 +38,7 @@ def results(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_training_lowers_validation_loss(results):
     untrained, *_, trained = results["val_losses"]["dense"][0]
     assert results["val_steps"]["dense"] == [0, 10, STEPS]
@@ -45,6 +46,7 @@ def test_training_lowers_validation_loss(results):
     assert trained < untrained - 1.5, results["val_losses"]["dense"]
 
 
+@pytest.mark.slow
 def test_bf16_wire_matches_dense_at_half_the_bytes(results):
     dense, bf16 = results["val_losses"]["dense"][0], results["val_losses"]["bf16"][0]
     assert bf16[0] == dense[0]  # same seed, same model
@@ -52,6 +54,7 @@ def test_bf16_wire_matches_dense_at_half_the_bytes(results):
     assert results["rows"]["bf16"]["bytes_ratio"] == 0.5
 
 
+@pytest.mark.slow
 def test_double_buffering_applies_the_first_gradient_a_step_late(results):
     dense, db = results["losses"]["dense"][0], results["losses"]["db"][0]
     assert db[0] == dense[0]  # the same first batch at the same parameters
@@ -59,11 +62,13 @@ def test_double_buffering_applies_the_first_gradient_a_step_late(results):
     assert db[1] > dense[1] + 0.1, (db[:3], dense[:3])
 
 
+@pytest.mark.slow
 def test_table_and_curves_are_written(results):
     assert results["png"].stat().st_size > 0
     assert set(results["rows"]) == {"dense", "bf16", "db"}
 
 
+@pytest.mark.slow
 def test_sharded_model_trains_as_the_replicated_one():
     """--fsdp 4: the model sharded over 4 devices, jaxcomm over the other 2.
     Dense, it follows the replicated run step for step (the same global
@@ -85,6 +90,7 @@ def test_sharded_model_trains_as_the_replicated_one():
         assert result["val_losses"][-1] < result["val_losses"][0] - 0.5, (name, result)
 
 
+@pytest.mark.slow
 def test_powersgd_and_diloco_configurations_train():
     """PowerSGD with its defaults and DiLoCo (outer Nesterov SGD 0.7, momentum
     0.9) are configurations like the others. On 10 steps DiLoCo syncs every 5

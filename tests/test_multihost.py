@@ -88,6 +88,7 @@ def _initial_params() -> dict:
     return module.init_params(args.seed, inputs.shape[1], args.hidden, int(labels.max()) + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dense", "hierarchical"])
 def test_two_processes_train_like_one(tmp_path, algorithm):
     one = _train(tmp_path, 1, 8, algorithm, "--nodes", "2")
@@ -100,6 +101,7 @@ def test_two_processes_train_like_one(tmp_path, algorithm):
         assert np.abs(one[name] - init[name]).max() > 100 * ATOL, f"{name} did not train"
 
 
+@pytest.mark.slow
 def test_one_process_without_a_cross_process_sum_would_differ(tmp_path):
     """The tolerance is tight enough to see a missing sum: training on one
     process's half of each batch lands far outside it."""
@@ -142,6 +144,7 @@ def _script(tmp_path: Path, name: str, source: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_job_at_once(tmp_path):
     script = _script(tmp_path, "fail.py", FAILING_RANK)
     raised_at = tmp_path / "raised_at"
@@ -162,6 +165,7 @@ def test_a_failing_rank_stops_the_job_at_once(tmp_path):
     assert stopped_after < 30, f"the job ended {stopped_after:.1f} s after rank 1 raised"
 
 
+@pytest.mark.slow
 def test_gloo_connection_lines_are_hidden_unless_asked_for(tmp_path):
     line = (
         "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
@@ -186,6 +190,7 @@ def test_gloo_connection_lines_are_hidden_unless_asked_for(tmp_path):
     assert shown.stderr.splitlines() == [f"[rank 0] {line}"]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_and_a_stubborn_one_is_killed(tmp_path):
     script = _script(
         tmp_path,
@@ -207,6 +212,7 @@ def test_a_killed_rank_is_named_and_a_stubborn_one_is_killed(tmp_path):
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tmp_path):
     marker = tmp_path / "pids"
     script = _script(
@@ -241,6 +247,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_output_is_prefixed_and_the_environment_set(tmp_path):
     script = _script(
         tmp_path,
@@ -270,6 +277,7 @@ def test_output_is_prefixed_and_the_environment_set(tmp_path):
     assert all(line.startswith("[rank ") for line in lines)
 
 
+@pytest.mark.slow
 def test_exit_codes_propagate(tmp_path):
     script = _script(
         tmp_path,
@@ -397,6 +405,7 @@ def _survivor_exit(tmp_path, victim: int, signum: int) -> tuple[int, float, str]
     return code, elapsed, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator-killed", "worker-killed"])
 def test_a_killed_process_ends_the_others_without_a_launcher(tmp_path, victim):
     """SIGKILL: the survivor's collective fails as the TCP connection closes
@@ -439,6 +448,7 @@ def _finish(procs: list, timeout: float = 120) -> list:
         _kill(procs)
 
 
+@pytest.mark.slow
 def test_check_same_settings_across_processes(tmp_path):
     script = _script(tmp_path, "same.py", SAME_SETTINGS)
     agree = tmp_path / "agree"
@@ -467,6 +477,7 @@ def test_check_same_settings_across_processes(tmp_path):
         assert "jax.process_count(): 2 on process 0; 3 on process 1" in output, output
 
 
+@pytest.mark.slow
 def test_check_same_settings_names_a_process_that_never_calls_it(tmp_path):
     script = _script(
         tmp_path,
@@ -536,6 +547,7 @@ SAME_COLLECTIVES = """
 """
 
 
+@pytest.mark.slow
 def test_check_same_collectives_across_processes(tmp_path):
     script = _script(tmp_path, "collectives.py", SAME_COLLECTIVES)
     agree = tmp_path / "agree"
@@ -565,6 +577,7 @@ def test_check_same_collectives_across_processes(tmp_path):
         assert "collectives agree" not in output
 
 
+@pytest.mark.slow
 def test_check_same_collectives_when_processes_are_missing(tmp_path):
     """A process that never calls it is named; processes that disagree on the
     count stop at once rather than wait for process 2."""
@@ -741,6 +754,7 @@ GLOO_ENDPOINT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env, address",
     [
@@ -794,6 +808,7 @@ WAIT_FOR_STOP = """
 """
 
 
+@pytest.mark.slow
 def test_a_local_launch_binds_the_coordinator_to_loopback(tmp_path):
     """JAX binds its coordination service, an unauthenticated key-value
     store, on every interface by default; a local launch needs loopback only."""
@@ -893,6 +908,7 @@ SHARE_NCCL_IDS = """
 """
 
 
+@pytest.mark.slow
 def test_nccl_ids_are_shared_by_process_0(tmp_path):
     script = _script(tmp_path, "nccl.py", SHARE_NCCL_IDS)
     codes = _finish(_start(tmp_path, script))

@@ -112,6 +112,7 @@ def _assert_torn_down(before: dict, timeout: float = 20.0):
     assert after["links"].count("jcveth") == before["links"].count("jcveth") == 0
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
     before = _snapshot()
@@ -137,6 +138,7 @@ def test_quick_allreduce_runs_and_leaves_nothing(tmp_path):
     _assert_torn_down(before)
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
     _, found = _run_quick(
@@ -159,6 +161,7 @@ def test_narrow_wire_allreduce_across_processes_matches_float64(tmp_path):
         assert rows[path, "float16"]["max_abs_error"] > 10 * rows[path, "float32"]["max_abs_error"]
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_overlap_workload_times_each_program(tmp_path):
     done, found = _run_quick(tmp_path, "--workload", "overlap", "--sizes-mib", "1")
@@ -186,6 +189,7 @@ def test_time_to_accuracy_counts_the_steps_to_the_first_reach():
     assert never["steps_to_acc"] is None and never["time_to_acc_s"] is None
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_train_workload_reaches_the_target_accuracy(tmp_path):
     """A small MLP on 2 hosts: dense starts at chance and reaches 90% held-out
@@ -204,6 +208,7 @@ def test_train_workload_reaches_the_target_accuracy(tmp_path):
     assert "time to acc s" in done.stdout
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_failing_host_stops_the_run_and_leaves_nothing():
     before = _snapshot()
@@ -213,6 +218,7 @@ def test_a_failing_host_stops_the_run_and_leaves_nothing():
     _assert_torn_down(before)
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_sigint_stops_the_run_and_leaves_nothing():
     before = _snapshot()
@@ -240,6 +246,7 @@ def test_sigint_stops_the_run_and_leaves_nothing():
     _assert_torn_down(before)
 
 
+@pytest.mark.slow
 def test_says_why_and_fails_without_root():
     setpriv = "/usr/bin/setpriv"
     if os.geteuid() != 0 or not os.path.exists(setpriv):
@@ -294,6 +301,7 @@ def test_sync_and_local_steps_are_split_by_the_bytes_sent():
     assert dense["sync_step_s"] is None and dense["local_step_s"] is None
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_time_to_quality_table_agrees_with_its_rows(tmp_path):
     """A tiny run (2 hosts, 6 steps of the digits MLP, dense and bf16): the

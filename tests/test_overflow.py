@@ -317,17 +317,17 @@ def _one_over_n(n: int) -> tuple[float, float]:
 def _terms(g: np.ndarray, prescale: float) -> np.ndarray:
     """What travels, as _xla.to_wire casts: fl16(fl32(g) * prescale)."""
     with np.errstate(over="ignore"):
-        return (g.astype(F32) * F32(prescale)).astype(F16)
+        return (g.astype(F32) * np.asarray(prescale, F32)).astype(F16)
 
 
 def chain_sums(pool: np.ndarray, scales, ns=NS) -> np.ndarray:
     """Float16 sums t_1 + t_2 + ... + t_N, left to right, of the first N rows
     of `pool`; one row per N in `ns`."""
-    pre = [scales(int(n))[0] for n in ns]
-    total = np.stack([_terms(pool[0], p) for p in pre])
+    pre = np.array([scales(int(n))[0] for n in ns], F32)[:, None]  # one row per N
+    total = _terms(pool[0][None], pre)
     with np.errstate(over="ignore", invalid="ignore"):
         for j in range(1, int(ns.max())):
-            step = total + np.stack([_terms(pool[j], p) for p in pre])
+            step = total + _terms(pool[j][None], pre)
             total = np.where((j < ns)[:, None], step, total)
     return total
 

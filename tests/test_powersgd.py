@@ -762,6 +762,7 @@ def test_numpy_scalars_are_valid_options():
                      error_feedback=np.bool_(True), seed=np.uint8(3))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_building_starts_no_backend():
     """Built before jax.distributed.initialize, as the other transforms may be."""
     code = (

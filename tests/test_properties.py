@@ -4,7 +4,10 @@ references.
 
 Every new shape compiles a new program, so examples are few (and derandomized,
 so a run is reproducible); each property still sweeps dtypes, shapes, wire
-types, fusion thresholds, schedules, backends and device counts."""
+types, fusion thresholds, schedules, backends and device counts. The sweeps
+take a minute, so they are in the slow tier; the fast tier checks the same
+behaviours on fixed cases (test_allreduce, test_allreduce_gradients,
+test_chunk_sparse)."""
 
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ def _stated_bound(xs, op, wire, dtype, *, psum_path=False):
 
 
 @PROPERTY
+@pytest.mark.slow
 @given(spec=leaves, topology=topologies, opts=options, seed=st.integers(0, 2**16))
 def test_dense_reduction_is_the_float64_mean_on_every_device(spec, topology, opts, seed):
     shape, axes, algorithm = topology
@@ -147,6 +151,7 @@ def test_dense_reduction_is_the_float64_mean_on_every_device(spec, topology, opt
 
 
 @PROPERTY
+@pytest.mark.slow
 @given(
     spec=leaves,
     backend=st.sampled_from(["xla", "ffi"]),
@@ -174,6 +179,7 @@ def test_double_buffering_is_dense_shifted_by_one_step(spec, backend, wire, seed
 
 
 @PROPERTY
+@pytest.mark.slow
 @given(
     spec=leaves,
     theta=st.sampled_from([64, 1024, math.inf]),
@@ -202,6 +208,7 @@ def test_fused_equals_unfused(spec, theta, wire, seed):
 
 
 @PROPERTY
+@pytest.mark.slow
 @given(
     spec=leaves,
     backend=st.sampled_from(["xla", "ffi"]),

@@ -103,6 +103,7 @@ def _launch(args: list[str], tmp_path) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_multihost_command_is_right_on_this_jax(tmp_path):
     """The README's two-process command, as written but for --out, says
     nothing of wrong values (on jaxlib 0.10 XLA's hierarchical path across
