@@ -20,8 +20,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONTINUES = "<!-- continues the blocks above -->"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
@@ -58,6 +56,7 @@ def test_every_marker_is_right_above_a_python_block():
                 assert lines[i + 1 : i + 2] == ["```python"], f"{path.name}:{i + 1}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", _programs())
 def test_block_runs_on_its_own(program, tmp_path):
     script = tmp_path / "block.py"
