@@ -4,7 +4,8 @@ Under shard_map with replicated params, jax.grad sums the gradient over the
 devices itself (the transpose of the implicit broadcast). allreduce_gradients
 would then return N times the mean gradient, silently. With check_vma=True
 (shard_map's default) the gradient's type says so, and the transform refuses
-it, naming the leaf and the fix.
+it, naming the leaf and the fix: every one-axis configuration of
+tests/catalog.py.
 """
 
 from __future__ import annotations
@@ -18,21 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.catalog import BY_NAME, flat, ids
 
 N = 8
 
 
-def _dense():
-    return optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(1.0))
-
-
-def _sparse():
-    return jaxcomm.chunk_sparse(optax.sgd(1.0), "data", density=1.0, chunk_size=2)
-
-
-def _run(*, cast: bool, check_vma: bool = True, make_tx=_dense):
+def _run(config, *, cast: bool, check_vma: bool = True):
     mesh = jax.make_mesh((N,), ("data",))
-    tx = make_tx()
+    tx = config.make("data", optax.sgd(1.0))
     params = {"layer": {"w": jnp.zeros(3)}}
     with jax.set_mesh(mesh):
         state = tx.init(params)
@@ -61,29 +55,34 @@ def _run(*, cast: bool, check_vma: bool = True, make_tx=_dense):
     return np.asarray(new["layer"]["w"]), rows
 
 
-TRANSFORMS = pytest.mark.parametrize("make_tx", [_dense, _sparse], ids=["dense", "chunk_sparse"])
+# With sgd(1.0), the exact configurations move the params by minus the mean gradient.
+EXACT = [BY_NAME[name] for name in ("allreduce", "chunk_sparse density 1")]
+FLAT = flat()
 
 
-@TRANSFORMS
-def test_varying_params_give_minus_the_mean_gradient(make_tx):
-    w, rows = _run(cast=True, make_tx=make_tx)
+@pytest.mark.parametrize("config", EXACT, ids=ids(EXACT))
+def test_varying_params_give_minus_the_mean_gradient(config):
+    w, rows = _run(config, cast=True)
     np.testing.assert_allclose(w, -rows.mean(0), rtol=1e-6)
 
 
-@TRANSFORMS
-def test_already_reduced_gradient_names_the_leaf_and_the_fix(make_tx):
+# Three elements: too few for a sparse density or a low-rank factor, as they warn.
+@pytest.mark.filterwarnings("ignore:.*not reachable:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*no gradient leaf is compressed:UserWarning")
+@pytest.mark.parametrize("config", FLAT, ids=ids(FLAT))
+def test_already_reduced_gradient_names_the_leaf_and_the_fix(config):
     with pytest.raises(ValueError) as e:
-        _run(cast=False, make_tx=make_tx)
+        _run(config, cast=False)
     message = str(e.value)
     assert "gradient['layer']['w']" in message
     assert "already been reduced" in message
     assert "jaxcomm.value_and_grad(loss_fn, 'data') in place of jax.value_and_grad" in message
 
 
-@TRANSFORMS
-def test_without_types_the_gradient_stays_local(make_tx):
+@pytest.mark.parametrize("config", EXACT, ids=ids(EXACT))
+def test_without_types_the_gradient_stays_local(config):
     """check_vma=False: JAX's grad does not sum over the devices (it has no
     types to transpose), so replicated params give local gradients and the
     mean is right; nothing is checked and nothing needs to be."""
-    w, rows = _run(cast=False, check_vma=False, make_tx=make_tx)
+    w, rows = _run(config, cast=False, check_vma=False)
     np.testing.assert_allclose(w, -rows.mean(0), rtol=1e-6)

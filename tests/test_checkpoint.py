@@ -1,15 +1,20 @@
 """Checkpoints lose nothing: every jaxcomm state (error-feedback residuals,
-double buffers, chunk masks and residuals, step counters, the inner
-optimizer's state, the stats) saves and restores with Orbax, and a run that
-stops after 10 steps and resumes in a new process ends after 20 steps
-bitwise equal to an uninterrupted run, for every option.
+double buffers, chunk masks and residuals, PowerSGD's factors, DiLoCo's local
+params, step counters, the inner optimizer's state, the stats) saves and
+restores with Orbax, and a run that stops after STOP steps and resumes from the
+checkpoint ends after STEPS steps bitwise equal to an uninterrupted run, for
+every configuration in tests/catalog.py.
 
-This process runs the uninterrupted 20 steps and the first 10 (then saves);
-one subprocess restores every option's checkpoint and runs the last 10."""
+Each configuration's step is compiled once and runs the uninterrupted STEPS,
+keeping the params and state after STOP. The fast test saves those, restores
+them into a template that init builds, and runs the last steps with the same
+compiled step. The slow test resumes in a new process: one subprocess restores
+every configuration's checkpoint, compiles the step anew and runs the last
+steps."""
 
 from __future__ import annotations
 
-import math
+import functools
 import os
 import subprocess
 import sys
@@ -24,166 +29,82 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxcomm
-from tests.harness import mesh_of, random_grads, run_steps
+from tests.catalog import BY_NAME, CATALOG, ids
+from tests.harness import mesh_of, random_grads
 
-STEPS, STOP = 20, 10
+# STOP falls inside a warm-up ("chunk_sparse ffi warmup" ramps for 4 steps),
+# after PowerSGD's start (step 2) and between two DiLoCo syncs (every 2).
+STEPS, STOP = 6, 3
 SHAPES = {"a_bias": (5,), "b_kernel": (33, 17), "c_scalar": (), "d_odd": (301,)}
 ROOT = Path(__file__).resolve().parent.parent
-
-# name -> (mesh shape, axis names, transform factory). Together they cover
-# every option of both transforms.
-OPTIONS = {
-    "fp16_error_feedback_adam": (
-        (8,),
-        ("data",),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(a, wire_dtype=jnp.float16, error_feedback=True),
-            optax.adam(1e-2),
-        ),
-    ),
-    "ffi_fp16_error_feedback_double_buffering": (
-        (8,),
-        ("data",),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(
-                a,
-                backend="ffi",
-                wire_dtype=jnp.float16,
-                error_feedback=True,
-                double_buffering=True,
-            ),
-            optax.sgd(0.05, momentum=0.9),
-        ),
-    ),
-    "double_buffering_unfused_bf16": (
-        (8,),
-        ("data",),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(
-                a, wire_dtype=jnp.bfloat16, bucket_bytes=0, double_buffering=True
-            ),
-            optax.adam(1e-2),
-        ),
-    ),
-    "ffi_ring_fused": (
-        (8,),
-        ("data",),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(a, backend="ffi", algorithm="ring", bucket_bytes=math.inf),
-            optax.adamw(1e-2),
-        ),
-    ),
-    "xla_ring_sum_fp16_buckets": (
-        (8,),
-        ("data",),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(
-                a,
-                backend="xla",
-                algorithm="ring",
-                op="sum",
-                wire_dtype=jnp.float16,
-                bucket_bytes=1024,
-            ),
-            optax.sgd(0.01, momentum=0.9),
-        ),
-    ),
-    "hierarchical_ffi_bf16_error_feedback": (
-        (2, 4),
-        ("node", "local"),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(
-                a,
-                algorithm="hierarchical",
-                backend="ffi",
-                wire_dtype=jnp.bfloat16,
-                error_feedback=True,
-            ),
-            optax.adam(1e-2),
-        ),
-    ),
-    "hierarchical_xla_double_buffering": (
-        (2, 4),
-        ("node", "local"),
-        lambda a: optax.chain(
-            jaxcomm.allreduce_gradients(
-                a, algorithm="hierarchical", backend="xla", double_buffering=True
-            ),
-            optax.sgd(0.05, momentum=0.9),
-        ),
-    ),
-    # The buffer, each device's predicted params, AdamW's state and counter.
-    "double_buffered_adamw_fp16_ffi": (
-        (8,),
-        ("data",),
-        lambda a: jaxcomm.double_buffered(
-            optax.adamw(1e-2), a, wire_dtype=jnp.float16, error_feedback=True, backend="ffi"
-        ),
-    ),
-    # warm-up of 15 steps: the checkpoint falls in the middle of the ramp.
-    "chunk_sparse_adam_warmup_ffi": (
-        (8,),
-        ("data",),
-        lambda a: jaxcomm.chunk_sparse(
-            optax.adam(1e-2), a, density=0.25, chunk_size=16, warmup_steps=15, backend="ffi"
-        ),
-    ),
-    "chunk_sparse_momentum_xla_fp16": (
-        (8,),
-        ("data",),
-        lambda a: jaxcomm.chunk_sparse(
-            optax.sgd(0.05, momentum=0.9),
-            a,
-            density=0.3,
-            chunk_size=32,
-            warmup_steps=4,
-            residual_decay=0.8,
-            wire_dtype=jnp.float16,
-            backend="xla",
-        ),
-    ),
-}
+EVERY = pytest.mark.parametrize("config", CATALOG, ids=ids(CATALOG))
 
 
-def _setup(name):
-    shape, axes, factory = OPTIONS[name]
-    mesh = mesh_of(shape, axes)
-    tx = factory(axes if len(axes) > 1 else axes[0])
-    rng = np.random.default_rng(1)
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-    grads = random_grads(np.random.default_rng(2), SHAPES, mesh.size, STEPS)
-    return mesh, tx, params, grads
+def _numpy(tree):
+    return jax.tree.map(np.asarray, tree)
 
 
-def _resume_steps(tx, params_rows, state_rows, grads_seq, mesh):
-    """The loop of harness.run_steps, started from a given params
-    and state (one row per device, as run_steps returns them)."""
-    spec = P(tuple(mesh.axis_names))
-    put = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)), tree
-    )
-    unrow = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-    rows = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+class _Runner:
+    """harness.run_steps' loop (one row per device for every array) with init
+    and the step compiled once, so that a run can start from any params and
+    state, such as a restored checkpoint."""
 
-    def step(p, state, g):
-        p, state, g = unrow(p), unrow(state), unrow(g)
-        updates, state = tx.update(g, state, p)
-        return rows(optax.apply_updates(p, updates)), rows(state), rows(updates)
+    def __init__(self, name: str):
+        config = BY_NAME[name]
+        self.mesh = mesh_of(config.mesh, config.axes)
+        self.tx = tx = config.make()
+        rng = np.random.default_rng(1)
+        self.params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        self.grads = random_grads(np.random.default_rng(2), SHAPES, self.mesh.size, STEPS)
+        self.spec = spec = P(config.axes)
+        unrow = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        rows = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
 
-    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
-    p, state, updates = put(params_rows), put(state_rows), []
-    for g in grads_seq:
-        p, state, u = jax.block_until_ready(run(p, state, put(g)))
-        updates.append(jax.tree.map(np.asarray, u))
-    return updates, jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, state)
+        def step(p, state, g):
+            p, state, g = unrow(p), unrow(state), unrow(g)
+            updates, state = tx.update(g, state, p)
+            return rows(optax.apply_updates(p, updates)), rows(state), rows(updates)
+
+        def init(p):
+            return rows(tx.init(unrow(p)))
+
+        shard = functools.partial(jax.shard_map, mesh=self.mesh, in_specs=spec, out_specs=spec)
+        self._step, self._init = jax.jit(shard(step)), jax.jit(shard(init))
+
+    def put(self, tree):
+        sharding = NamedSharding(self.mesh, self.spec)
+        return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sharding), tree)
+
+    def start(self):
+        """(params, state) before the first step, as NumPy rows: the template
+        a process builds from its own code to restore into."""
+        n = self.mesh.size
+        p = jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), self.params)
+        return _numpy(p), _numpy(jax.block_until_ready(self._init(self.put(p))))
+
+    def run(self, p, state, grads_seq, keep_after=None):
+        """(updates per step, params, state), and the (params, state) after
+        `keep_after` steps."""
+        p, state, updates, kept = self.put(p), self.put(state), [], None
+        for g in grads_seq:
+            p, state, u = jax.block_until_ready(self._step(p, state, self.put(g)))
+            updates.append(_numpy(u))
+            if len(updates) == keep_after:
+                kept = _numpy((p, state))
+        return updates, _numpy(p), _numpy(state), kept
 
 
-def _template(tx, params, mesh):
-    """(params, state) shaped like run_steps' outputs: what a new process
-    builds from its own code to restore into (zero steps: init only)."""
-    _, p, state = run_steps(tx, params, [], mesh)
-    return p, state
+@functools.cache
+def _runner(name: str) -> _Runner:
+    return _Runner(name)
+
+
+@functools.cache
+def _straight(name: str):
+    """The uninterrupted run: (updates, params, state), and (params, state) after STOP."""
+    runner = _runner(name)
+    updates, p, state, at_stop = runner.run(*runner.start(), runner.grads, keep_after=STOP)
+    return (updates, p, state), at_stop
 
 
 def _save(path: Path, tree):
@@ -196,47 +117,20 @@ def _restore(path: Path, template):
         return ckpt.restore(path, template)
 
 
+def _resume(name: str, checkpoint: Path):
+    """Restores `checkpoint` into the template and runs the steps after STOP."""
+    runner = _runner(name)
+    p, state = _restore(checkpoint, runner.start())
+    updates, p, state, _ = runner.run(p, state, runner.grads[STOP:])
+    return {"params": p, "state": state, "updates": updates}
+
+
 def resume_all(directory: Path):
-    """In the new process: restore each option's checkpoint, run the last
-    steps, and save what they produced for the parent to compare."""
-    for name in OPTIONS:
-        mesh, tx, params, grads = _setup(name)
-        template = _template(tx, params, mesh)
-        p, state = _restore(directory / name / "step10", template)
-        updates, p, state = _resume_steps(tx, p, state, grads[STOP:], mesh)
-        _save(directory / name / "resumed", {"params": p, "state": state, "updates": updates})
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Per option: the uninterrupted run, and the resumed one read back."""
-    directory = tmp_path_factory.mktemp("checkpoints")
-    straight = {}
-    for name in OPTIONS:
-        mesh, tx, params, grads = _setup(name)
-        straight[name] = run_steps(tx, params, grads, mesh)
-        _, p, state = run_steps(tx, params, grads[:STOP], mesh)
-        _save(directory / name / "step10", (p, state))
-    env = dict(os.environ)
-    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    code = (
-        "import pathlib; from tests.test_checkpoint import resume_all; "
-        f"resume_all(pathlib.Path({str(directory)!r}))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    resumed = {}
-    for name in OPTIONS:
-        mesh, tx, params, grads = _setup(name)
-        p, state = _template(tx, params, mesh)
-        updates = [jax.tree.map(np.zeros_like, p) for _ in range(STEPS - STOP)]
-        got = _restore(
-            directory / name / "resumed", {"params": p, "state": state, "updates": updates}
-        )
-        resumed[name] = got
-    return straight, resumed
+    """In the new process: restore each configuration's checkpoint, run the
+    last steps, and save what they produced for the parent to compare."""
+    for config in CATALOG:
+        resumed = _resume(config.name, directory / config.name / "stop")
+        _save(directory / config.name / "resumed", resumed)
 
 
 def _assert_bitwise(got, want, what):
@@ -252,11 +146,47 @@ def _assert_bitwise(got, want, what):
         )
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
-def test_resume_in_a_new_process_is_bitwise_equal(checkpoints, name):
-    straight, resumed = checkpoints
-    updates, params, state = straight[name]
-    got = resumed[name]
+def _assert_resumed_like_straight(got, name):
+    (updates, params, state), _ = _straight(name)
     _assert_bitwise(got["params"], params, "params")
     _assert_bitwise(got["state"], state, "state")
     _assert_bitwise(got["updates"], updates[STOP:], "updates")
+
+
+@EVERY
+def test_resume_from_a_checkpoint_is_bitwise_equal(config, tmp_path):
+    _, at_stop = _straight(config.name)
+    _save(tmp_path / "stop", at_stop)
+    _assert_resumed_like_straight(_resume(config.name, tmp_path / "stop"), config.name)
+
+
+@pytest.fixture(scope="module")
+def resumed_in_a_new_process(tmp_path_factory):
+    """Per configuration: the run resumed in a new process, read back."""
+    directory = tmp_path_factory.mktemp("checkpoints")
+    for config in CATALOG:
+        _save(directory / config.name / "stop", _straight(config.name)[1])
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    code = (
+        "import pathlib; from tests.test_checkpoint import resume_all; "
+        f"resume_all(pathlib.Path({str(directory)!r}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = {}
+    for config in CATALOG:
+        p, state = _runner(config.name).start()
+        updates = [jax.tree.map(np.zeros_like, p) for _ in range(STEPS - STOP)]
+        resumed[config.name] = _restore(
+            directory / config.name / "resumed", {"params": p, "state": state, "updates": updates}
+        )
+    return resumed
+
+
+@pytest.mark.slow
+@EVERY
+def test_resume_in_a_new_process_is_bitwise_equal(resumed_in_a_new_process, config):
+    _assert_resumed_like_straight(resumed_in_a_new_process[config.name], config.name)

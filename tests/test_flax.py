@@ -1,10 +1,13 @@
 """The transforms inside Flax's own training containers: nnx.Optimizer under
 jit + shard_map, and a Linen TrainState under pmap and under shard_map, with
-the state carried by jaxcomm.state_specs. Each run must equal the same
-container driven by lax.pmean gradients and plain optax, or (for inexact
-options) the same transform as plain optax, or under pmap."""
+the state carried by jaxcomm.state_specs, for every one-axis configuration in
+tests/catalog.py. Each run must equal the same transform driven as plain
+optax on pure pytrees (or under pmap), and exact configurations must also
+equal the same container driven by lax.pmean gradients and plain optax."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +20,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.catalog import BY_NAME, flat, ids
 
-STEPS, N, BATCH = 6, 8, 32
+# Three steps: past PowerSGD's start (2) and one past DiLoCo's sync (every 2).
+STEPS, N, BATCH = 3, 8, 32
+FLAT = flat()  # the configurations on one mesh axis
+LINEN = [c for c in FLAT if not c.gradient_at_local_params]
 
 
 def _data():
@@ -50,49 +57,6 @@ def _local_grads(model, x, y):
     return jax.grad(loss)(local)
 
 
-def _nnx_run(reduce: str, tx_head):
-    mesh = jax.make_mesh((N,), ("data",))
-    model = NnxMLP(nnx.Rngs(0))
-    tx = optax.chain(tx_head, optax.sgd(0.1, momentum=0.9)) if tx_head else optax.sgd(0.1, 0.9)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        grads = _local_grads(model, x, y)
-        if reduce == "pmean":
-            grads = jax.lax.pmean(grads, "data")
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer))
-
-    run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
-    )
-    state = jax.device_put(state, NamedSharding(mesh, P()))
-    xs, ys = _data()
-    batch = NamedSharding(mesh, P("data"))
-    for x, y in zip(xs, ys, strict=True):
-        x, y = jax.device_put(x, batch), jax.device_put(y, batch)
-        state = jax.block_until_ready(run(state, x, y))
-    model, _ = nnx.merge(graphdef, state)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-@pytest.mark.parametrize(
-    "head",
-    [
-        jaxcomm.allreduce_gradients("data"),
-        jaxcomm.allreduce_gradients("data", backend="ffi", double_buffering=False),
-    ],
-    ids=["xla", "ffi"],
-)
-def test_nnx_optimizer_in_shard_map(head):
-    ours = _nnx_run("jaxcomm", head)
-    want = _nnx_run("pmean", None)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
 class LinenMLP(linen.Module):
     @linen.compact
     def __call__(self, x):
@@ -122,59 +86,6 @@ def _linen_run(tx, reduce: str):
     for x, y in zip(xs, ys, strict=True):
         state = jax.block_until_ready(run(state, x.reshape(N, -1, 12), y.reshape(N, -1)))
     return jax.tree.map(np.asarray, state.params)
-
-
-def test_linen_train_state_under_pmap():
-    sgd = optax.sgd(0.1, momentum=0.9)
-    ours = _linen_run(optax.chain(jaxcomm.allreduce_gradients("data", wire_dtype=None), sgd), "")
-    want = _linen_run(sgd, "pmean")
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        assert all(np.array_equal(a[0], a[d]) for d in range(N))
-
-
-def test_linen_train_state_with_chunk_sparse_density_one():
-    inner = optax.sgd(0.1, momentum=0.9)
-    tx = jaxcomm.chunk_sparse(inner, "data", density=1.0, chunk_size=64)
-    ours = _linen_run(tx, "")
-    want = _linen_run(inner, "pmean")
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-# Every option of both transforms, in both Flax containers under jit +
-# shard_map, with the optimizer state carried through shard_map by the specs
-# jaxcomm.state_specs gives for it (a per-device residual sharded over the
-# devices). Each container run must equal the same transform driven as plain
-# optax on pure pytrees; exact configurations must also equal plain optax on
-# lax.pmean gradients.
-CONFIGS = {
-    "dense": lambda: jaxcomm.allreduce_gradients("data"),
-    "float16": lambda: jaxcomm.allreduce_gradients("data", wire_dtype=jnp.float16),
-    "bfloat16-ef": lambda: jaxcomm.allreduce_gradients(
-        "data", wire_dtype=jnp.bfloat16, error_feedback=True
-    ),
-    "double-buffering": lambda: jaxcomm.allreduce_gradients("data", double_buffering=True),
-    "buckets": lambda: jaxcomm.allreduce_gradients("data", bucket_bytes=256, backend="ffi"),
-    "sparse-momentum": lambda: jaxcomm.chunk_sparse(
-        optax.sgd(0.1, momentum=0.9), "data", density=0.5, chunk_size=16
-    ),
-    "sparse-adamw": lambda: jaxcomm.chunk_sparse(
-        optax.adamw(1e-2), "data", density=0.25, chunk_size=16, warmup_steps=2
-    ),
-    "powersgd": lambda: jaxcomm.powersgd("data", rank=1, start_step=2, mask=None),
-    "float8-ef": lambda: jaxcomm.allreduce_gradients(
-        "data", wire_dtype=jnp.float8_e4m3fn, error_feedback=True
-    ),
-}
-EXACT = {"dense", "buckets"}
-
-
-def _tx(config: str):
-    head = CONFIGS[config]()
-    if config.startswith("sparse"):
-        return head
-    return optax.chain(head, optax.sgd(0.1, momentum=0.9))
 
 
 def _put(tree, specs, mesh):
@@ -260,20 +171,69 @@ def _nnx_functional_run(tx, reduce: str, *, at_local: bool = False):
     return jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+def _grads_at_local(model, optimizer, x, y):
+    """This device's gradient at its own params, read with
+    local_params(..., like=params) (diloco, double_buffered)."""
+    mdef, params, rest = nnx.split(model, nnx.Param, ...)
+    here = jaxcomm.local_params(optimizer.opt_state, like=params)
+
+    def loss(p):
+        logits = nnx.merge(mdef, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return jax.grad(loss)(here)
+
+
+# Each run once per module: the parametrized tests and the ones that look
+# closer at one configuration share them.
+@functools.cache
+def _nnx_container(name: str):
+    config = BY_NAME[name]
+    if config.gradient_at_local_params:
+        return _nnx_container_run(config.make(), _grads_at_local)
+    return _nnx_container_run(config.make())
+
+
+@functools.cache
+def _nnx_functional(name: str):
+    config = BY_NAME[name]
+    return _nnx_functional_run(config.make(), "", at_local=config.gradient_at_local_params)
+
+
+@functools.cache
+def _nnx_pmean(inner):
+    """Plain optax `inner()` on lax.pmean gradients: what exact configurations equal."""
+    return _nnx_functional_run(inner(), "pmean")
+
+
+@functools.cache
+def _linen_pmean(inner):
+    return _linen_run(inner(), "pmean")
+
+
+@pytest.mark.parametrize("config", FLAT, ids=ids(FLAT))
 def test_nnx_optimizer_with_every_option_in_shard_map(config):
-    ours, stats, _, _ = _nnx_container_run(_tx(config))
-    want = _nnx_functional_run(_tx(config), "")
+    ours, stats, _, _ = _nnx_container(config.name)
+    want = _nnx_functional(config.name)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    if config in EXACT:
-        exact = _nnx_functional_run(optax.sgd(0.1, momentum=0.9), "pmean")
+    if config.exact:
+        exact = _nnx_pmean(config.inner)
         for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(exact), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # Read through nnx.state(optimizer): plain arrays, what the last step sent.
+    if config.gradient_at_local_params:
+        # The outer (diloco) or the overlapped (double_buffered) step moved every leaf.
+        init = nnx.to_pure_dict(nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param))
+        for a, c in zip(jax.tree.leaves(ours), jax.tree.leaves(init), strict=True):
+            assert np.abs(a - np.asarray(c)).max() > 1e-3
+    # Read through nnx.state(optimizer): plain arrays, what the last step sent
+    # (DiLoCo's last step, one past its sync, sent nothing).
     assert isinstance(stats.collectives, jax.Array)
-    assert int(stats.collectives) >= 1 and float(stats.payload_bytes) > 0
-    if config.startswith("sparse"):
+    if config.name.startswith("diloco"):
+        assert int(stats.collectives) == 0
+    else:
+        assert int(stats.collectives) >= 1 and float(stats.payload_bytes) > 0
+    if config.name.startswith("chunk_sparse") and not config.exact:
         assert float(stats.density) < 1
 
 
@@ -302,41 +262,27 @@ def _linen_shard_map_run(tx):
     return jax.tree.map(np.asarray, state.params), jaxcomm.get_stats(state)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", LINEN, ids=ids(LINEN))
 def test_linen_train_state_with_every_option_in_shard_map(config):
-    ours, stats = _linen_shard_map_run(_tx(config))
-    # The same transform under pmap, where every state leaf is per device.
-    want = _linen_run(_tx(config), "")
+    ours, stats = _linen_shard_map_run(config.make())
+    # The same transform under pmap, where every state leaf is per device;
+    # the params come out the same on every device.
+    want = _linen_run(config.make(), "")
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b[0], rtol=1e-5, atol=1e-6)
-    if config in EXACT:
-        exact = _linen_run(optax.sgd(0.1, momentum=0.9), "pmean")
-        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(exact), strict=True):
-            np.testing.assert_allclose(a, b[0], rtol=1e-5, atol=1e-6)
+        assert all(np.array_equal(b[0], b[d]) for d in range(N))
+    if config.exact:
+        exact = _linen_pmean(config.inner)
+        for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, exact)), strict=True):
+            np.testing.assert_allclose(a, c[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
     assert int(stats.collectives) >= 1
 
 
-# DiLoCo under nnx.Optimizer: the model holds the global params (replicated),
-# the state each device's own params and inner state (PerDevice rows, which
-# state_specs must find by name in NNX state), and the gradient is taken at
-# this device's params, read with local_params(..., like=params).
-def _diloco():
-    return jaxcomm.diloco(
-        optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), "data", sync_every=4
-    )
-
-
-def _grads_at_local(model, optimizer, x, y):
-    mdef, params, rest = nnx.split(model, nnx.Param, ...)
-    here = jaxcomm.local_params(optimizer.opt_state, like=params)
-
-    def loss(p):
-        logits = nnx.merge(mdef, p, rest)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return jax.grad(loss)(here)
-
-
+# DiLoCo and double_buffered under nnx.Optimizer: the model holds the global
+# (synced) params, replicated; the state holds each device's own params and
+# DiLoCo's inner state or double_buffered's previous gradient, as PerDevice
+# rows that state_specs must find by name in NNX state.
 def _check_rows_per_device(specs, fields):
     """The state's leaves under `fields` (by name) are one row per device,
     P("data"); every other leaf is P()."""
@@ -351,42 +297,21 @@ def _check_rows_per_device(specs, fields):
     assert all(v == P() for k, v in row_specs.items() if k not in rows)
 
 
-def _check_like_the_functional_run(ours, make_tx):
-    """`ours` equals the same transform on pure pytrees, the gradient taken
-    at local_params, and every leaf moved from its initial value."""
-    want = _nnx_functional_run(make_tx(), "", at_local=True)
-    init = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(NnxMLP(nnx.Rngs(0)), nnx.Param)))
-    for a, b, c in zip(*(jax.tree.leaves(t) for t in (ours, want, init)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert np.abs(a - c).max() > 1e-3
-
-
-def test_nnx_optimizer_with_diloco_matches_plain_optax():
-    ours, _, specs, optimizer = _nnx_container_run(_diloco(), _grads_at_local)
+def test_nnx_optimizer_with_diloco_keeps_each_devices_params():
+    _, _, specs, optimizer = _nnx_container("diloco")
     _check_rows_per_device(specs, ("local", "inner"))
-    # The same transform on pure pytrees, as docs/diloco.md writes the step;
-    # STEPS = 6 > sync_every: the outer step moved every leaf.
-    _check_like_the_functional_run(ours, _diloco)
-    # Two steps past the last sync, every device's own params differ.
+    # A step past the last sync, every device's own params differ.
     rows = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(optimizer)["opt_state"]["local"]))
     assert all(r.shape[0] == N and np.abs(r - r[:1]).max() > 0 for r in rows)
 
 
-def test_nnx_optimizer_with_double_buffered_matches_plain_optax():
-    # The model holds the synced params; the state each device's predicted
-    # params and its previous gradient (PerDevice rows) and AdamW's state,
-    # the same on every device.
-    def tx():
-        return jaxcomm.double_buffered(optax.adamw(1e-2), "data", wire_dtype="bfloat16")
-
-    ours, stats, specs, _ = _nnx_container_run(tx(), _grads_at_local)
+def test_nnx_optimizer_with_double_buffered_keeps_each_devices_params():
+    _, _, specs, _ = _nnx_container("double_buffered bf16")
     _check_rows_per_device(specs, ("local", "buffer"))
-    _check_like_the_functional_run(ours, tx)
-    assert int(stats.collectives) >= 1
 
 
 def test_local_params_like_names_a_mismatched_leaf():
-    tx = _diloco()
+    tx = BY_NAME["diloco"].make()
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         state = tx.init({"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)})

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.catalog import BY_NAME, ids, select
 from tests.harness import mesh_of, optax_on_mean, random_grads
 
 N = 8
@@ -66,17 +67,14 @@ def _assert_close(ours, want, rtol=1e-5, atol=1e-6):
 
 
 ADAMW = lambda learning_rate=1e-2: optax.adamw(learning_rate)  # noqa: E731
-HEADS = {
-    "dense": lambda: jaxcomm.allreduce_gradients("data"),
-    "buckets-ffi": lambda: jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=64),
-}
+EXACT = select(exact=True)  # plain optax on the mean gradient, whatever the inner optimizer
 
 
-@pytest.mark.parametrize("head", list(HEADS))
-def test_inject_hyperparams_after_jaxcomm(head):
+@pytest.mark.parametrize("config", EXACT, ids=ids(EXACT))
+def test_inject_hyperparams_after_jaxcomm(config):
     inner = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
     grads = _grads(3)
-    ours, state, _ = run_user_step(optax.chain(HEADS[head](), inner), _params(), grads)
+    ours, state, _ = run_user_step(config.make("data", inner), _params(), grads)
     want, _ = optax_on_mean(
         optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2), _params(), grads
     )
@@ -180,24 +178,25 @@ def test_multi_steps_with_state_built_like_any_transform_is_refused():
 
 
 K = 4
-MULTI_STEP_HEADS = {
-    "dense": (lambda: jaxcomm.allreduce_gradients("data"), 1e-6),
-    "bfloat16-ef": (
-        lambda: jaxcomm.allreduce_gradients("data", wire_dtype=jnp.bfloat16, error_feedback=True),
-        2e-2,
-    ),
-    "double-buffer": (lambda: jaxcomm.allreduce_gradients("data", double_buffering=True), 1e-6),
+# The tolerance each needs: float32 rounding, or a bfloat16 wire's.
+MULTI_STEP_CONFIGS = {
+    "allreduce": 1e-6,
+    "allreduce bf16 ef": 2e-2,
+    "allreduce double buffering": 1e-6,
 }
 
 
-@pytest.mark.parametrize("head", list(MULTI_STEP_HEADS))
-def test_multi_steps_applies_the_mean_of_k_local_steps(head):
+MULTI_STEP = [BY_NAME[name] for name in MULTI_STEP_CONFIGS]
+
+
+@pytest.mark.parametrize("config", MULTI_STEP, ids=ids(MULTI_STEP))
+def test_multi_steps_applies_the_mean_of_k_local_steps(config):
     """optax.MultiSteps around the chain: every device accumulates its own
     gradient for K micro-steps (the accumulator is per-device state) and the
     K-th step applies the mean over devices and micro-steps."""
-    make, tol = MULTI_STEP_HEADS[head]
+    tol = MULTI_STEP_CONFIGS[config.name]
     lr = 1.0
-    tx = optax.MultiSteps(optax.chain(make(), optax.sgd(lr)), K)
+    tx = optax.MultiSteps(config.make("data", optax.sgd(lr)), K)
     grads = _grads(2 * K)
     ours, _, updates = run_user_step(tx, _params(), grads)
     blocks = [
@@ -206,19 +205,18 @@ def test_multi_steps_applies_the_mean_of_k_local_steps(head):
     for t, u in enumerate(updates):
         if t % K != K - 1:
             assert not any(np.any(v) for v in u.values()), f"micro-step {t} changed the params"
-    applied = blocks[:1] if head == "double-buffer" else blocks  # one emit behind
+    applied = blocks[:1] if "double buffering" in config.name else blocks  # one emit behind
     want = {k: _params()[k] - lr * sum(b[k] for b in applied) for k in SHAPES}
     _assert_close(ours, want, rtol=tol, atol=tol)
 
 
 def test_multi_steps_with_chunk_sparse():
     """density 1 is dense momentum SGD: the K-step mean, every device."""
-    tx = optax.MultiSteps(
-        jaxcomm.chunk_sparse(optax.sgd(0.1, momentum=0.9), "data", density=1.0, chunk_size=16), K
-    )
+    config = BY_NAME["chunk_sparse density 1"]
+    tx = optax.MultiSteps(config.make("data"), K)
     grads = _grads(2 * K)
     ours, _, _ = run_user_step(tx, _params(), grads)
-    want, _ = optax_on_mean(optax.MultiSteps(optax.sgd(0.1, momentum=0.9), K), _params(), grads)
+    want, _ = optax_on_mean(optax.MultiSteps(config.inner(), K), _params(), grads)
     _assert_close(ours, want)
 
 

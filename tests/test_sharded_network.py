@@ -22,11 +22,16 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import netbed  # noqa: E402
 
-pytestmark = pytest.mark.network
+from tests.catalog import CATALOG  # noqa: E402
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 _REASON = netbed.check_can_isolate()
 STEPS = 3
-CONFIGS = ("dense", "allreduce", "bf16", "chunk_sparse", "powersgd_r4", "diloco_h10")
+# The catalog's configurations that the bench runs too, on the one "data" axis
+# between processes over XLA's collectives; "dense" is the bench's lax.pmean.
+NETWORK = {c.network: c for c in CATALOG if c.network and c.backend == "xla" and len(c.axes) == 1}
+CONFIGS = ("dense", *NETWORK)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,9 @@ def test_every_configuration_trains_sharded_and_the_replicas_agree(run):
         # Both processes hold the same params after the exchanges over "data".
         for name, value in params[config, 0].items():
             np.testing.assert_array_equal(value, params[config, 1][name], err_msg=config)
-    for config in ("dense", "allreduce", "bf16", "chunk_sparse", "powersgd_r4"):
+    # Not asserted for DiLoCo (its loss is each process's own inner training).
+    trained = ["dense", *(k for k, c in NETWORK.items() if not c.gradient_at_local_params)]
+    for config in trained:
         assert rows[config]["loss_last"] < rows[config]["loss_first"], rows[config]
     assert "fsdp inside a host" in done.stdout and "/ dense" in done.stdout
 
@@ -84,7 +91,7 @@ def test_exchanges_match_dense_hsdp_where_the_math_says(run):
     # A float32 wire sums what pmean sums: float32 rounding apart. So does
     # chunk_sparse here: each shard's pool (~1k elements) is one chunk of its
     # default 32768, and a whole chunk travels each step (it warns so).
-    for config in ("allreduce", "chunk_sparse"):
+    for config in (*(k for k, c in NETWORK.items() if c.exact), "chunk_sparse"):
         assert _distance(params[config, 0], dense) <= 1e-5 * moved, config
     # A bfloat16 wire rounds each gradient to 8 significant bits, once per
     # hop: the params differ, by a bfloat16-sized part of their travel.
