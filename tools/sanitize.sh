@@ -54,7 +54,7 @@ for san in "${sanitizers[@]}"; do
     ASAN_OPTIONS="detect_leaks=0:halt_on_error=0:log_path=$build/report:symbolize=1" \
     TSAN_OPTIONS="suppressions=$root/tools/tsan.supp:ignore_noninstrumented_modules=1:halt_on_error=0:log_path=$build/report:report_signal_unsafe=0:history_size=4:second_deadlock_stack=1" \
     JAXCOMM_FFI_MODULE="$module" JAXCOMM_FFI_TESTING_MODULE="$testing_module" \
-    "$python" tools/sanitize_run.py -q -p no:cacheprovider "${tests[@]}" || status=1
+    "$python" tools/sanitize_run.py -q -p no:cacheprovider -n 0 "${tests[@]}" || status=1
   reports=("$build"/report.*)
   if [[ -e ${reports[0]} ]]; then
     n_ours=$(grep -l -E 'jaxcomm|xla_ffi' "${reports[@]}" | wc -l || true)
