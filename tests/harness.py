@@ -1,8 +1,10 @@
 """Running code on the 8 CPU devices and checking what each device holds.
 
-Two levels: a per-device function on a mesh (``run_sharded``, ``run_pmap``),
-and an optax transformation for several steps (``run_steps``, against the
-``optax_on_mean`` reference). Every array carries one leading row per device,
+Three levels: a per-device function on a mesh (``run_sharded``,
+``sharded_runner``, ``run_pmap``); an optax transformation for several steps
+(``run_steps``, against the ``optax_on_mean`` reference); and the step as the
+README writes it (``user_step``, ``run_as_users_do``: params replicated, the
+state carried by ``jaxcomm.state_specs``). Every array carries one leading row per device,
 so that per-device differences show; ``assert_same_on_all_devices`` checks the
 rows bitwise. Each step is waited for: XLA's CPU collectives must not have two
 steps in flight.
@@ -16,6 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+import jaxcomm
 
 
 def mesh_of(shape: tuple, names: tuple):
@@ -164,3 +168,60 @@ def sharded_runner(fn, mesh):
         return _to_numpy(jax.block_until_ready(f(*args)))
 
     return run
+
+
+def user_step(tx, mesh, state, axis="data"):
+    """The README's step for `tx`, jitted over shard_map on `mesh`: params
+    replicated (P()), the state carried by ``jaxcomm.state_specs``, and
+    each device's own gradient (one row per device, split over `axis`).
+
+    Returns:
+      (step(params, state, grads) -> (params, state, updates), the specs).
+    """
+    specs = jaxcomm.state_specs(state, axis)
+
+    def step(params, state, g):
+        g = jax.tree.map(lambda x: x[0], g)  # this device's row
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(axis)), out_specs=(P(), specs, P()))
+    )
+    return run, specs
+
+
+def run_as_users_do(
+    tx, params, grads_seq, mesh, *, axis="data", init_in_shard_map=False, each_step=None
+):
+    """Runs `tx` for len(grads_seq) steps of ``user_step``; each gradient
+    leaf has one row per device.
+
+    The state is built by ``tx.init`` under the mesh and placed by its specs,
+    as the README does; with ``init_in_shard_map``, inside shard_map (a
+    per-device leaf without a device axis of its own, like MultiSteps'
+    accumulator, is then one block per device). ``each_step(params, state,
+    updates)``, if given, is called after every step with the device arrays.
+
+    Returns:
+      (updates per step as NumPy, final params as NumPy, final state).
+    """
+    if init_in_shard_map:
+        with jax.set_mesh(mesh):
+            specs = jaxcomm.state_specs(jax.eval_shape(tx.init, params), axis)
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        state = jax.jit(init)(params)
+    else:
+        with jax.set_mesh(mesh):
+            state = tx.init(params)
+    run, specs = user_step(tx, mesh, state, axis)
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    rows = NamedSharding(mesh, P(axis))
+    updates = []
+    for g in grads_seq:
+        p, state, u = jax.block_until_ready(run(p, state, jax.device_put(g, rows)))
+        updates.append(_to_numpy(u))
+        if each_step is not None:
+            each_step(p, state, u)
+    return updates, _to_numpy(p), state

@@ -7,8 +7,6 @@ inside the conditional's branch, none outside it."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +15,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests import hlo
+from tests.harness import user_step
 
 N = 8
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def _grads(steps, seed=0):
@@ -30,28 +29,13 @@ def _grads(steps, seed=0):
     }
 
 
-def _step_fn(tx, mesh, state):
-    specs = jaxcomm.state_specs(state, "data")
-
-    def step(params, state, g):
-        g = jax.tree.map(lambda x: x[0], g)  # this device's row
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state, updates
-
-    return jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
-        )
-    )
-
-
 def _run(tx, k, steps, seed=0):
     mesh = jax.make_mesh((N,), ("data",))
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
     grads = _grads(steps, seed)
     with jax.set_mesh(mesh):
         state = tx.init(params)
-        step = _step_fn(tx, mesh, state)
+        step, _ = user_step(tx, mesh, state)
         out = []
         for t in range(steps):
             g = jax.device_put(jax.tree.map(lambda x, t=t: x[t], grads), P("data"))
@@ -100,57 +84,6 @@ def test_adam_with_a_bfloat16_wire_matches_optax_on_the_means():
         np.testing.assert_array_equal(updates[t - 1]["w"], 0)  # the micro-step before
 
 
-_HEADER = re.compile(r"(ENTRY )?%(\S+) .*\{$")
-_OPCODE = re.compile(r"\s+(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(")
-_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%(\S+?),)")
-_OTHER_CALLS = re.compile(r"\b(?:to_apply|calls|body|condition)=%([^\s,]+)")
-
-
-def _parse(text: str):
-    """{computation: [(opcode, line)]}, the entry's name (compiled HLO text)."""
-    computations, entry, current = {}, None, None
-    for line in text.splitlines():
-        if header := _HEADER.match(line):
-            current = computations.setdefault(header[2], [])
-            entry = header[2] if header[1] else entry
-        elif line.strip() == "}":
-            current = None
-        elif current is not None and (op := _OPCODE.match(line)):
-            current.append((op[1], line))
-    return computations, entry
-
-
-def _outside_and_inside_branches(text: str) -> tuple[set, set, dict]:
-    """Computations run outside any conditional's branches, those run inside one."""
-    computations, entry = _parse(text)
-
-    def reach(starts):
-        seen, todo = set(), list(starts)
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in computations:
-                continue
-            seen.add(name)
-            todo += [c for _, line in computations[name] for c in _OTHER_CALLS.findall(line)]
-        return seen
-
-    def branches(names):
-        found = []
-        for name in names:
-            for _, line in computations[name]:
-                for many, one in _BRANCHES.findall(line):
-                    found += [b.strip().lstrip("%") for b in many.split(",") if b.strip()]
-                    found += [one] if one else []
-        return found
-
-    outside = reach([entry])
-    return outside, reach(branches(outside)), computations
-
-
-def _ops(computations, names) -> list[str]:
-    return [op for n in names for op, _ in computations[n]]
-
-
 @pytest.mark.parametrize("backend", ["xla", "ffi"])
 def test_the_compiled_step_reduces_inside_the_kth_branch_only(backend):
     if backend == "ffi" and not jaxcomm.ffi_available():
@@ -162,19 +95,16 @@ def test_the_compiled_step_reduces_inside_the_kth_branch_only(backend):
     with jax.set_mesh(mesh):
         state = tx.init(params)
         g = jax.device_put(jax.tree.map(lambda x: x[0], _grads(1)), P("data"))
-        text = _step_fn(tx, mesh, state).lower(params, state, g).compile().as_text()
-    outside, inside, computations = _outside_and_inside_branches(text)
-    assert not [op for op in _ops(computations, outside) if op in COLLECTIVES]
-    assert "conditional" in _ops(computations, outside)
+        program = hlo.compiled(user_step(tx, mesh, state)[0], params, state, g)
+    outside = list(program.walk(branches=False))
+    assert not [i.name for i in outside if i.collective]
+    branches = [b for i in outside if i.opcode == "conditional" for b in i.branches]
+    assert branches, "no conditional outside"
+    inside = [i for b in branches for i in program.walk(b)]
     if backend == "xla":
-        assert "all-reduce" in _ops(computations, inside)
+        assert "all-reduce" in [i.opcode for i in inside]
     else:  # jaxcomm's own allreduce: a custom call, in the branch only
-        calls = [
-            name
-            for name, ops in computations.items()
-            if any(op == "custom-call" and "jaxcomm" in line for op, line in ops)
-        ]
-        assert calls and set(calls) <= inside
+        assert [i for i in inside if (i.target or "").startswith("jaxcomm_allreduce")]
 
 
 def test_every_k_must_be_a_positive_int():

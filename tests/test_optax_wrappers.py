@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from tests.catalog import BY_NAME, ids, select
-from tests.harness import mesh_of, optax_on_mean, random_grads
+from tests.harness import mesh_of, optax_on_mean, random_grads, run_as_users_do
 
 N = 8
 SHAPES = {"w": (128,), "b": (4,)}
@@ -31,30 +31,14 @@ def _grads(steps: int, seed: int = 0):
 
 
 def run_user_step(tx, params, grads_seq):
-    """Runs `tx` for len(grads_seq) steps; returns (params, state, updates per
-    step), params and updates as NumPy (the same on every device)."""
-    mesh = mesh_of((N,), ("data",))
-    with jax.set_mesh(mesh):
-        specs = jaxcomm.state_specs(jax.eval_shape(tx.init, params), "data")
-    # Built inside shard_map: a per-device leaf without a device axis of its
-    # own (MultiSteps' accumulator) is then one block per device.
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-
-    def step(p, s, g):
-        updates, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-        return optax.apply_updates(p, updates), s, updates
-
-    run = jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
-        )
+    """Runs `tx` for len(grads_seq) steps the README's way, the state built
+    inside shard_map (MultiSteps' accumulator has no device axis of its own);
+    returns (params, state, updates per step), params and updates as NumPy
+    (the same on every device)."""
+    updates, params, state = run_as_users_do(
+        tx, params, grads_seq, mesh_of((N,), ("data",)), init_in_shard_map=True
     )
-    rows = NamedSharding(mesh, P("data"))
-    updates = []
-    for g in grads_seq:
-        params, state, u = jax.block_until_ready(run(params, state, jax.device_put(g, rows)))
-        updates.append(jax.tree.map(np.asarray, u))
-    return jax.tree.map(np.asarray, params), state, updates
+    return params, state, updates
 
 
 def _mean(g):

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests import harness
 from tests.harness import assert_same_on_all_devices, mesh_of, random_grads, run_steps
 
 N = 8
@@ -203,40 +204,21 @@ def _shared_part(state):
     )
 
 
-def _user_step(tx, mesh, state):
-    specs = jaxcomm.state_specs(state, "data")
-
-    def step(params, state, g):
-        g = jax.tree.map(lambda x: x[0], g)  # this device's gradient
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state, updates
-
-    run = jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
-        )
-    )
-    return run, specs
-
-
 def run_as_users_do(tx, params, grads_seq, mesh):
     """Steps `tx` over `grads_seq` (each leaf one row per device); returns
     (updates per step, the state before the first step and after each, final
-    params) as NumPy, after
-    checking every replicated output bitwise across devices at every step."""
-    with jax.set_mesh(mesh):
-        state = tx.init(params)
-    run, specs = _user_step(tx, mesh, state)
-    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    p = jax.device_put(params, NamedSharding(mesh, P()))
-    rows = NamedSharding(mesh, P("data"))
-    updates, states = [], [jax.tree.map(np.asarray, state)]
-    for g in grads_seq:
-        p, state, u = jax.block_until_ready(run(p, state, jax.device_put(g, rows)))
+    params) as NumPy, after checking every replicated output bitwise across
+    devices at every step."""
+    states = []
+
+    def check(p, state, u):
         _replicated_bitwise((p, u, _shared_part(state)), "replicated output ")
-        updates.append(jax.tree.map(np.asarray, u))
         states.append(jax.tree.map(np.asarray, state))
-    return updates, states, jax.tree.map(np.asarray, p)
+
+    with jax.set_mesh(mesh):
+        states.append(jax.tree.map(np.asarray, tx.init(params)))
+    updates, params, _ = harness.run_as_users_do(tx, params, grads_seq, mesh, each_step=check)
+    return updates, states, params
 
 
 def _psgd(state):
@@ -376,7 +358,7 @@ def _lowered(tx, mesh, shapes=SHAPES):
     params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
     with jax.set_mesh(mesh):
         state = tx.init(params)
-    run, specs = _user_step(tx, mesh, state)
+    run, specs = harness.user_step(tx, mesh, state)
     state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     rows = {
         k: jax.ShapeDtypeStruct((N, *s), jnp.float32, sharding=NamedSharding(mesh, P("data")))
@@ -811,7 +793,7 @@ def test_checkpoint_round_trip(mesh, tmp_path):
     tx = optax.chain(_powersgd(rank=2, start_step=1), optax.adam(1e-2))
     with jax.set_mesh(mesh):
         state = tx.init(_params())
-    run, specs = _user_step(tx, mesh, state)
+    run, specs = harness.user_step(tx, mesh, state)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     rows = NamedSharding(mesh, P("data"))
 
