@@ -11,39 +11,28 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxcomm
 from tests.catalog import CATALOG, ids
-from tests.harness import mesh_of
+from tests.harness import mesh_of, user_step
 
 
 @pytest.mark.parametrize("config", CATALOG, ids=ids(CATALOG))
 def test_state_types_survive_a_step(config):
     tx = config.make()
     mesh = mesh_of(config.mesh, config.axes)
-    rows = P(config.axes)
     params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
     with jax.set_mesh(mesh):
         state = tx.init(params)
-    specs = jaxcomm.state_specs(state, config.axis_name)
+    run, specs = user_step(tx, mesh, state, config.axis_name)
     # The catalog's fact, as state_specs reads the state.
     sharded = [s for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)) if s != P()]
     assert bool(sharded) == config.per_device_state, specs
-
-    def step(p, s, g):
-        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
-        return optax.apply_updates(p, u), s
-
-    run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, rows), out_specs=(P(), specs))
-    )
     grads = jax.tree.map(lambda a: jnp.ones((mesh.size, *a.shape)), params)
-    grads = jax.device_put(grads, NamedSharding(mesh, rows))
-    _, new = jax.block_until_ready(run(params, state, grads))
+    grads = jax.device_put(grads, NamedSharding(mesh, P(config.axes)))
+    _, new, _ = jax.block_until_ready(run(params, state, grads))
     before = jax.tree_util.tree_flatten_with_path(state)[0]
     after = jax.tree.leaves(new)
     changed = [
