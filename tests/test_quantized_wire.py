@@ -30,6 +30,7 @@ from tests import hlo
 from tests.harness import (
     assert_same_on_all_devices,
     mesh_of,
+    run_as_users_do,
     run_sharded,
     run_steps,
     sharded_runner,
@@ -470,23 +471,7 @@ def test_diloco_outer_step_within_the_bound_of_float64(wire):
         for _ in range(2)
     ]
     tx = jaxcomm.diloco(optax.sgd(lr), optax.sgd(1.0), "data", sync_every=2, wire_dtype=wire)
-    with jax.set_mesh(mesh):
-        state = tx.init(params)
-    specs = jaxcomm.state_specs(state, "data")
-
-    def step(p, s, g):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-        return optax.apply_updates(p, u), s
-
-    run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-    )
-    state = jax.device_put(state, jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
-    p = jax.device_put(params, NamedSharding(mesh, P()))
-    for g in grads:
-        p, state = jax.block_until_ready(
-            run(p, state, jax.device_put(g, NamedSharding(mesh, P("data"))))
-        )
+    _, p, state = run_as_users_do(tx, params, grads, mesh)
     stats = jaxcomm.get_stats(state)
     payload = sum(_quantized.payload_bytes(int(np.prod(s)), 1, N, wire) for s in shapes.values())
     assert float(stats.payload_bytes) == payload
