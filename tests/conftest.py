@@ -4,8 +4,8 @@ The CPU suite runs on the 8 host devices that XLA_FLAGS forces (the root
 conftest.py). On a GPU machine JAX would make the GPU its default backend, so
 a session that cannot select a GPU test is pinned to the CPU platform before
 JAX starts a backend (collecting the tests starts one), and so are the
-processes its tests spawn: ``python -m pytest -m "not gpu and not slow"``, or a run of
-test files none of which has a GPU test. A session that can select GPU tests
+processes its tests spawn: ``python -m pytest -m "not gpu and not slow"``, or
+a run of test files none of which has a GPU test. A session that can select GPU tests
 keeps the GPU, and there the CPU tests skip. A JAX_PLATFORMS set by the caller
 is left alone.
 """
@@ -61,6 +61,6 @@ def pytest_collection_modifyitems(config, items):
 def _enough_devices():
     if jax.device_count() < 8:
         pytest.skip(
-            "needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-            '(on a GPU machine, run the CPU tests apart from the GPU ones: -m "not gpu and not slow")'
+            "needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (on a "
+            'GPU machine, run the CPU tests apart from the GPU ones: -m "not gpu and not slow")'
         )
