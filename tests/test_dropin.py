@@ -269,7 +269,7 @@ def test_state_specs_of_an_nnx_object_go_to_nnx_shard_map_as_they_are():
     assert optimizer.opt_state[0].residual.value["kernel"][...].shape == (jax.device_count(), 4, 1)
 
 
-def test_a_replicated_key_argument_draws_differently_per_device():
+def test_replicated_keys_draw_differently_per_device_and_per_stacked_layer():
     n = jax.device_count()
 
     @jaxcomm.data_parallel
@@ -279,6 +279,37 @@ def test_a_replicated_key_argument_draws_differently_per_device():
         return jnp.mean(jnp.all(every == every[0], axis=1))
 
     assert float(draws(jax.random.key(0), jnp.ones((n, 3)))) == 1 / n
+
+    # One key per stacked layer (nnx.vmap, nn.scan): each layer's stream
+    # differs per device and stays its own.
+    @jaxcomm.data_parallel
+    def stacked(keys, x):
+        mine = jax.vmap(lambda k: jax.random.uniform(k, x.shape[1:]))(keys)  # (layers, 3)
+        every = lax.all_gather(mine, "data")  # (devices, layers, 3)
+        same_device = jnp.all(every == every[0], axis=2).mean()
+        same_layer = jnp.all(mine == mine[0], axis=1).mean()
+        return same_device, lax.pmax(same_layer, "data")
+
+    mesh = jax.make_mesh((n,), ("data",))
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 4), jax.NamedSharding(mesh, jax.P()))
+    same_device, same_layer = stacked(keys, jnp.ones((n, 3)))
+    assert float(same_device) == 1 / n and float(same_layer) == 1 / 4
+
+    # The same for an NNX module's stacked RNG stream (nnx.split_rngs).
+    class Layers(nnx.Module):
+        def __init__(self):
+            self.rngs = nnx.Rngs(dropout=jax.random.split(jax.random.key(1), 4))
+
+    @jaxcomm.data_parallel
+    def stacked_nnx(model, x):
+        draw = nnx.vmap(lambda r: jax.random.uniform(r.dropout(), x.shape[1:]), in_axes=0)
+        mine = draw(model.rngs)
+        every = lax.all_gather(mine, "data")
+        same_device = jnp.all(every == every[0], axis=2).mean()
+        return same_device, lax.pmax(jnp.all(mine == mine[0], axis=1).mean(), "data")
+
+    same_device, same_layer = stacked_nnx(Layers(), jnp.ones((n, 3)))
+    assert float(same_device) == 1 / n and float(same_layer) == 1 / 4
 
     @jaxcomm.data_parallel
     def returns_a_key(key, x):

@@ -258,7 +258,7 @@ def _device_rngs(objects, axis):
     keys = nnx.state(objects, nnx.RngKey)
     saved = jax.tree.map(lambda k: k, keys)  # nnx.state holds the live Variables
     index = lax.axis_index(axis)
-    nnx.update(objects, jax.tree.map(lambda k: jax.random.fold_in(k, index), keys))
+    nnx.update(objects, jax.tree.map(lambda k: _fold_in_each(k, index), keys))
     try:
         yield
     finally:
@@ -273,9 +273,18 @@ def _device_keys(rest, specs, axis):
         is_key = jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
         if not is_key or _names_axis(spec, axis):
             return x
-        return jax.random.fold_in(x, lax.axis_index(axis))
+        return _fold_in_each(x, lax.axis_index(axis))
 
     return jax.tree.map(one, rest, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _fold_in_each(keys, index):
+    """``jax.random.fold_in`` of `index` into every key of a key array: layers
+    stacked by ``nnx.vmap`` or ``nn.scan`` hold one key per layer."""
+    if keys.ndim == 0:
+        return jax.random.fold_in(keys, index)
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+    return fold(keys.reshape(-1), index).reshape(keys.shape)
 
 
 @contextlib.contextmanager
