@@ -293,6 +293,15 @@ def test_exit_codes_propagate(tmp_path):
     assert _run(["-n", "2", _script(tmp_path, "ok.py", "pass\n")], 30).returncode == 0
 
 
+def test_signalling_a_process_already_gone_is_no_error():
+    """stop_all signals each process's group; one that exits between its poll
+    and the signal (a race the launcher can meet) is no error."""
+    proc = subprocess.Popen([sys.executable, "-c", ""], start_new_session=True)
+    proc.wait()
+    launch._signal_group(proc, signal.SIGTERM)  # its group is gone: ProcessLookupError
+    launch.stop_all([proc], grace_period=0)  # done already: nothing to signal
+
+
 def test_free_port_can_be_bound():
     port = launch.free_port()
     with socket.socket() as sock:
