@@ -4,10 +4,10 @@ Three levels: a per-device function on a mesh (``run_sharded``,
 ``sharded_runner``, ``run_pmap``); an optax transformation for several steps
 (``run_steps``, against the ``optax_on_mean`` reference); and the step as the
 README writes it (``user_step``, ``run_as_users_do``: params replicated, the
-state carried by ``jaxcomm.state_specs``). Every array carries one leading row per device,
-so that per-device differences show; ``assert_same_on_all_devices`` checks the
-rows bitwise. Each step is waited for: XLA's CPU collectives must not have two
-steps in flight.
+state carried by ``jaxcomm.state_specs``). Every array carries one leading
+row per device, so that per-device differences show;
+``assert_same_on_all_devices`` checks the rows bitwise. Each step is waited
+for: XLA's CPU collectives must not have two steps in flight.
 """
 
 from __future__ import annotations
@@ -57,13 +57,7 @@ def run_sharded(fn, mesh, *per_device, jit: bool = True):
     """Runs fn(*rows) on every device of `mesh`; each array in `per_device`
     has one leading row per device (in linear mesh order). Returns numpy
     arrays with one leading row per device."""
-
-    def body(*blocks):
-        return _rows(fn(*_unrow(blocks)))
-
-    f = _sharded(body, mesh, jit=jit)
-    args = _put_rows([jnp.asarray(a) for a in per_device], mesh)
-    return _to_numpy(jax.block_until_ready(f(*args)))
+    return sharded_runner(fn, mesh, jit=jit)(*per_device)
 
 
 def run_pmap(fn, n: int, *per_device, axis_name="i"):
@@ -152,7 +146,7 @@ def assert_same_on_all_devices(tree, what: str = "result"):
             )
 
 
-def sharded_runner(fn, mesh):
+def sharded_runner(fn, mesh, *, jit: bool = True):
     """``run_sharded`` built once: the returned function runs fn on every
     device of `mesh` for the per-device arrays it is given, as often as
     needed, compiling once per distinct shape and dtype instead of once
@@ -161,7 +155,7 @@ def sharded_runner(fn, mesh):
     def body(*blocks):
         return _rows(fn(*_unrow(blocks)))
 
-    f = _sharded(body, mesh)
+    f = _sharded(body, mesh, jit=jit)
 
     def run(*per_device):
         args = _put_rows([jnp.asarray(a) for a in per_device], mesh)
