@@ -12,7 +12,7 @@
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
+ffi::Future ReduceScatterImpl(Caller caller, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
                               int64_t op_id, int32_t nranks, int32_t wire_dtype, double prescale,
                               double postscale) {
@@ -26,8 +26,8 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
       OpTag::kReduceScatter,
       {static_cast<int64_t>(n), static_cast<int>(spec.input), static_cast<int>(spec.wire)});
   CallSite site;
-  if (Status st = SiteOf("reduce_scatter", run_id.run_id, op_id, device, coords.typed_data(),
-                         nranks, 1, Algorithm::kRing, fingerprint, &site);
+  if (Status st =
+          SiteOf("reduce_scatter", caller, coords.typed_data(), {op_id, nranks}, fingerprint, &site);
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
@@ -43,8 +43,6 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ReduceScatterCpu, ReduceScatterImpl,
-    BindReduceScatter<Site::kOpId>(ffi::Ffi::Bind()
-                                       .Ctx<ffi::RunId>()             // shared by one execution
-                                       .Ctx<ffi::DeviceOrdinal>()));  // for stats and messages
+    BindReduceScatter<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu
