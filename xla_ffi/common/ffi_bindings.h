@@ -33,8 +33,7 @@ struct ChunkMaskAttrs {
 
 // The <site> attribute's type.
 template <Site site>
-using SiteId =
-    std::conditional_t<site == Site::kOpId, int64_t, xla::ffi::Span<const int64_t>>;
+using SiteId = std::conditional_t<site == Site::kOpId, int64_t, xla::ffi::Span<const int64_t>>;
 
 // allreduce's attributes, decoded as one (ffi::Binding::Attrs).
 template <Site site>
@@ -109,11 +108,14 @@ auto BindAllGather(B&& b) {
 // after a first member written out (the macro takes no leading comma).
 #define JAXCOMM_ATTR_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxcomm::AllReduceAttrs<jaxcomm::Site::kOpId>, StructMember<int64_t>("op_id")
-        JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER) JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jaxcomm::AllReduceAttrs<jaxcomm::Site::kGroups>, StructMember<Span<const int64_t>>("groups")
-        JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER) JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::ReductionAtOpId, StructMember<int64_t>("op_id")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::AllReduceAttrs<jaxcomm::Site::kOpId>,
+                                      StructMember<int64_t>("op_id")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER)
+                                              JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::AllReduceAttrs<jaxcomm::Site::kGroups>,
+                                      StructMember<Span<const int64_t>>("groups")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER)
+                                              JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::ReductionAtOpId,
+                                      StructMember<int64_t>("op_id")
                                           JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER));

@@ -156,8 +156,8 @@ inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi:
   }
   *nchunks = *slots = 0;
   if (mask.element_count() == 0) return ffi::Error::Success();
-  if (auto err = CheckChunkMask(op, x.element_count(), chunks.chunk_size, mask.element_count(),
-                                nchunks);
+  if (auto err =
+          CheckChunkMask(op, x.element_count(), chunks.chunk_size, mask.element_count(), nchunks);
       !err.success()) {
     return err;
   }

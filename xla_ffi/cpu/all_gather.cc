@@ -11,9 +11,9 @@
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Future AllGatherImpl(Caller caller, ffi::AnyBuffer x,
-                          ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
-                          int64_t op_id, int32_t nranks, int32_t wire_dtype) {
+ffi::Future AllGatherImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t nranks,
+                          int32_t wire_dtype) {
   DType input, wire;
   if (auto err = CheckAllGather(x, coords, *y, nranks, wire_dtype, &input, &wire); !err.success()) {
     return CompletedFuture(err);
@@ -38,8 +38,7 @@ ffi::Future AllGatherImpl(Caller caller, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherCpu, AllGatherImpl,
-    BindAllGather<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherCpu, AllGatherImpl,
+                              BindAllGather<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu

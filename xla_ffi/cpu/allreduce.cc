@@ -177,8 +177,7 @@ ffi::Future AllReduceImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllReduceCpu, AllReduceImpl,
-    BindAllReduce<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCpu, AllReduceImpl,
+                              BindAllReduce<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu

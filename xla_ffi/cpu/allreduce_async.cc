@@ -117,7 +117,8 @@ class InFlightTable {
   std::deque<AsyncEvent> log_;
 };
 
-// allreduce_parts' attributes and this job's nonce.
+// allreduce_start's attributes: allreduce_parts' (ReductionAtOpId) and this
+// job's nonce.
 struct StartAttrs {
   int64_t op_id;  // same on every device
   ReductionAttrs reduction;
@@ -238,6 +239,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
 
 }  // namespace jaxcomm::cpu
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cpu::StartAttrs, StructMember<int64_t>("op_id")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cpu::StartAttrs,
+                                      StructMember<int64_t>("op_id")
                                           JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
                                       StructMember<int32_t>("nonce"));

@@ -51,9 +51,15 @@ Status SiteOf(std::string op, const Caller& caller, const int32_t* coords,
               const Placement& placement, uint64_t fingerprint, CallSite* site) {
   const int64_t op_id = placement.op_id;
   const int32_t device = caller.device;
-  *site = CallSite{std::move(op),        caller.run_id,        op_id,
-                   device,               coords[0],            coords[1],
-                   placement.nranks,     placement.intra_size, placement.algorithm,
+  *site = CallSite{std::move(op),
+                   caller.run_id,
+                   op_id,
+                   device,
+                   coords[0],
+                   coords[1],
+                   placement.nranks,
+                   placement.intra_size,
+                   placement.algorithm,
                    fingerprint};
   if (site->group >= 0 || TcpRankOf(op_id, device, &site->group, &site->rank)) {
     return Status::Ok();
