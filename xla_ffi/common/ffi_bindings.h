@@ -1,5 +1,5 @@
 // The operands and attributes of each collective handler, written once: a
-// platform's binding starts with its own contexts (RunId on CPU, the stream
+// platform's binding starts with its own contexts (Caller on CPU, the stream
 // on CUDA, ...) and hands it to Bind<Op><Site>, which appends the rest. The
 // handler then takes, after its contexts:
 //   allreduce:      x, coords, mask, y, AllReduceAttrs<site>
