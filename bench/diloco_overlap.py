@@ -96,15 +96,13 @@ def worker(args) -> int:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    from network_worker import emit, progress
-    from quality_worker import load_example
+    from testbed_worker import data_mesh, emit, join, load_example, placer, progress
 
     import jaxcomm
-    from jaxcomm import _ffi, distributed
+    from jaxcomm import _ffi
 
-    distributed.initialize()
+    join()
     config = args.worker
     data, model = load_example("lm", "data", "model")
     corpus = data.load_corpus()
@@ -117,8 +115,7 @@ def worker(args) -> int:
         logits = nnx.merge(graphdef, params)(windows[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    mesh = data_mesh(AXIS)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     # local: the first sync after the last step, untimed ones included.
     warm = args.sync_every + args.delay
@@ -129,11 +126,7 @@ def worker(args) -> int:
         optax.adamw(3e-3), outer, AXIS, sync_every=every, delay=delay, backend=backend
     )
 
-    def place(value, spec):
-        value = np.asarray(value)
-        return jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, spec), lambda i: value[i]
-        )
+    place = placer(mesh)
 
     params = jax.tree.map(lambda v: place(v, P()), params)
     with jax.set_mesh(mesh):
