@@ -44,7 +44,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
-import network  # noqa: E402
 
 CONFIGS = ("local", "overlapped", "sync", "plain")
 AXIS = "data"
@@ -80,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rate_bps = netbed.parse_rate(args.rate)
     except ValueError as e:
         parser.error(str(e))
-    args.devices_per_host = 1  # network.worker_env reads it
+    args.devices_per_host = 1
     return args
 
 
@@ -184,31 +183,16 @@ def worker(args) -> int:
 
 
 def run_inside(args) -> int:
-    netbed.install_interrupt_handlers()
-    deadline = time.monotonic() + args.timeout
-    rows = []
-    try:
-        with netbed.Testbed(args.hosts, args.rate_bps) as bed:
-            measured = netbed.measure_link(bed, seconds=2.0)
-            rows.append({"config": "link", "rate_bps": args.rate_bps, "measured_bps": measured})
-            say(f"{netbed.format_rate(args.rate_bps)}: one TCP stream {measured / 1e6:.1f} Mbit/s")
-            for config in args.config_list:
-                say(f"{config}: starting")
-                argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-                result = netbed.run_hosts(
-                    bed,
-                    [*argv, "--worker", config],
-                    lambda host: network.worker_env(args, bed, host),
-                    deadline=deadline,
-                )
-                rows.extend({"rate_bps": args.rate_bps, **r} for r in result.rows)
-                network.write_json(args.json, rows)
-                if result.code:
-                    say(f"{config}: failed ({result.code})")
-                    return result.code
-    except (netbed.Interrupted, netbed.NetbedError) as stop:
-        return netbed.stopped(stop, say)
-    return 0
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+    return netbed.run_testbed(
+        lambda rate, rows: [(config, [*argv, "--worker", config]) for config in args.config_list],
+        hosts=args.hosts,
+        rates=[args.rate_bps],
+        devices_per_host=args.devices_per_host,
+        timeout_s=args.timeout,
+        json_path=args.json,
+        say=say,
+    )
 
 
 def report(args, rows: list[dict]):

@@ -22,14 +22,14 @@ step (copies, broadcasts, loop fusions).
 
 from __future__ import annotations
 
-import os
+import argparse
+import re
+import statistics
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import _common
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
+_common.host_devices()  # before jax is imported
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
