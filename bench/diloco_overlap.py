@@ -77,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--delay {args.delay} must be in [1, --sync-every {args.sync_every})")
     try:
         args.rate_bps = netbed.parse_rate(args.rate)
+        args.rates = [args.rate_bps]
     except ValueError as e:
         parser.error(str(e))
     args.devices_per_host = 1
@@ -186,11 +187,7 @@ def run_inside(args) -> int:
     argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
     return netbed.run_testbed(
         lambda rate, rows: [(config, [*argv, "--worker", config]) for config in args.config_list],
-        hosts=args.hosts,
-        rates=[args.rate_bps],
-        devices_per_host=args.devices_per_host,
-        timeout_s=args.timeout,
-        json_path=args.json,
+        netbed.Layout.of(args),
         say=say,
     )
 

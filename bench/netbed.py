@@ -519,14 +519,36 @@ def rerun_line(*, hosts: int, rate_bps: int, devices_per_host: int, argv: Sequen
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a run on the testbed is laid out as.
+
+    Attributes:
+      hosts: processes, one per network namespace.
+      rates: link rates in bits per second, run one after another.
+      devices_per_host: CPU devices of each process.
+      timeout_s: seconds for the whole run; past it every host is stopped (124).
+      json_path: where the rows go after each command, or None.
+    """
+
+    hosts: int
+    rates: tuple[int, ...]
+    devices_per_host: int = 1
+    timeout_s: float = 3600.0
+    json_path: str | None = None
+
+    @classmethod
+    def of(cls, args) -> Layout:
+        """From a bench's parsed arguments: ``hosts``, ``rates``,
+        ``devices_per_host``, ``timeout`` and ``json``, as every bench on the
+        testbed names them."""
+        return cls(args.hosts, tuple(args.rates), args.devices_per_host, args.timeout, args.json)
+
+
 def run_testbed(
     commands: Callable[[int, list[dict]], Iterable[tuple[str, Sequence[str]]]],
+    layout: Layout,
     *,
-    hosts: int,
-    rates: Sequence[int],
-    devices_per_host: int,
-    timeout_s: float,
-    json_path: str | None,
     say: Callable[[str], None],
     link_s: float = 2.0,
     row_for: Callable[[dict, int], dict] | None = None,
@@ -536,20 +558,17 @@ def run_testbed(
 ) -> int:
     """Runs commands on a testbed, inside :func:`run_isolated`'s namespaces; the exit code.
 
-    Builds ``hosts`` namespaces and, rate by rate, shapes the links, measures
-    one TCP stream (a ``"link"`` row) and runs each of ``commands(rate,
-    rows)`` on every host, one after another (:func:`run_hosts`). Every row
-    so far goes to ``json_path`` after each command. SIGINT/SIGTERM or a
-    testbed that cannot be built stop the run (:func:`stopped`).
+    Builds the layout's namespaces and, rate by rate, shapes the links,
+    measures one TCP stream (a ``"link"`` row) and runs each of
+    ``commands(rate, rows)`` on every host, one after another
+    (:func:`run_hosts`). Every row so far goes to the layout's JSON path
+    after each command. SIGINT/SIGTERM or a testbed that cannot be built stop
+    the run (:func:`stopped`).
 
     Args:
       commands: ``(rate_bps, rows so far) -> (name, argv)`` pairs: the
         commands to run at that rate, ``name`` for messages.
-      hosts: processes, one per network namespace.
-      rates: link rates in bits per second, in order.
-      devices_per_host: CPU devices of each process.
-      timeout_s: seconds for the whole run; past it every host is stopped (124).
-      json_path: where the rows go, or None.
+      layout: hosts, rates, devices, time limit and JSON path (:class:`Layout`).
       say: progress messages (stderr).
       link_s: seconds of the link measurement.
       row_for: ``(row, rate_bps) -> row`` as stored; default the row with
@@ -563,8 +582,8 @@ def run_testbed(
 
       run_testbed(
           lambda rate, rows: [("dense", [sys.executable, "bench/quality_worker.py", ...])],
-          hosts=2, rates=[10**9], devices_per_host=1, timeout_s=600,
-          json_path="rows.json", say=say,
+          Layout(hosts=2, rates=(10**9,), json_path="rows.json"),
+          say=say,
       )
     """
     if row_for is None:
@@ -573,13 +592,14 @@ def run_testbed(
             return {"rate_bps": rate_bps, **row}
 
     install_interrupt_handlers()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + layout.timeout_s
     rows: list[dict] = []
     code = 0
+    hosts, devices_per_host = layout.hosts, layout.devices_per_host
     try:
         say(f"{hosts} hosts x {devices_per_host} CPU devices, tbf on both link ends")
-        with Testbed(hosts, rates[0]) as bed:
-            for rate in rates:
+        with Testbed(hosts, layout.rates[0]) as bed:
+            for rate in layout.rates:
                 bed.set_rate(rate)
                 measured = measure_link(bed, seconds=link_s)
                 rows.append(
@@ -612,7 +632,7 @@ def run_testbed(
                     )
                     done = [row_for(r, rate) for r in result.rows]
                     rows.extend(done)
-                    write_json(json_path, rows)
+                    write_json(layout.json_path, rows)
                     if on_rows is not None:
                         on_rows(done)
                     say(
@@ -625,7 +645,7 @@ def run_testbed(
                     code = result.code or code
     except (Interrupted, NetbedError) as stop:
         code = stopped(stop, say)
-    write_json(json_path, rows)
+    write_json(layout.json_path, rows)
     return code
 
 
@@ -675,16 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
 
     name = os.path.basename(command[1] if command[0] == sys.executable else command[0])
-    return run_testbed(
-        lambda rate, rows: [(name, command)],
-        hosts=args.hosts,
-        rates=args.rates,
-        devices_per_host=args.devices_per_host,
-        timeout_s=args.timeout,
-        json_path=args.json,
-        say=say,
-        on_rows=show,
-    )
+    return run_testbed(lambda rate, rows: [(name, command)], Layout.of(args), say=say, on_rows=show)
 
 
 if __name__ == "__main__":

@@ -268,11 +268,7 @@ def run_inside(args) -> int:
 
     return netbed.run_testbed(
         commands,
-        hosts=args.hosts,
-        rates=args.rates,
-        devices_per_host=args.devices_per_host,
-        timeout_s=args.timeout,
-        json_path=args.json,
+        netbed.Layout.of(args),
         say=say,
         link_s=2.0 if args.quick else 3.0,
         row_for=add_rates,

@@ -194,11 +194,7 @@ def run_inside(args) -> int:
 
     return netbed.run_testbed(
         commands,
-        hosts=args.hosts,
-        rates=args.rates,
-        devices_per_host=args.devices_per_host,
-        timeout_s=args.timeout,
-        json_path=args.json,
+        netbed.Layout.of(args),
         say=say,
         on_line=on_line,
         keep_going=True,  # a failing configuration; the others still run
