@@ -136,6 +136,30 @@ def copy_bandwidth(
     return moved / best, threads
 
 
+def carried(run: list, *inputs):
+    """A call of ``run = [step, *state]`` that carries on from its own result:
+    each call is ``step(*state, *inputs)``, whose outputs become the next
+    call's state (``run[1:]``), so timed steps follow one another
+    (``time_rounds``) as in training.
+
+    Args:
+      run: the step function, then its state; updated in place.
+      inputs: the same trailing arguments every call (the gradients).
+
+    Example:
+      >>> run = [lambda n, total, step: (n + step, total + n), 1, 0]
+      >>> call = carried(run, 10)
+      >>> call(), call()
+      ([11, 1], [21, 12])
+    """
+
+    def call():
+        run[1:] = run[0](*run[1:], *inputs)
+        return run[1:]
+
+    return call
+
+
 def pyplot(path):
     """``matplotlib.pyplot`` drawing to files, or None, with a note on stderr
     that no plot goes to ``path``, where matplotlib is not installed (the

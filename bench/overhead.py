@@ -152,13 +152,7 @@ def measure(model: str, names: list[str], rounds: int, progress) -> dict[str, li
 
     def advance(run):
         """One step of `run`, whose params and state then carry on from its result."""
-
-        def call():
-            step, params, state = run
-            run[1:] = step(params, state, grads)
-            return run[1:]
-
-        return call
+        return _common.carried(run, grads)
 
     baseline = build(names[0])
     times = {}

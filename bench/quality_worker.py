@@ -434,29 +434,22 @@ def make_optimizer(config: str, base, steps: int):
             backend="xla",
         )
         return optax.chain(reduce, base), False
+    if isinstance(options, DiLoCoConfig | SparseLoCoConfig):
+        # What the two share: when they sync, when the update lands, how.
+        rounds = {
+            "sync_every": options.sync_every,
+            "delay": options.delay,
+            "mixing": options.mixing,
+            "backend": options.backend,
+        }
     if isinstance(options, DiLoCoConfig):
         outer = optax.sgd(options.outer_lr, momentum=options.outer_momentum, nesterov=True)
         return jaxcomm.diloco(
-            base,
-            outer,
-            AXIS,
-            sync_every=options.sync_every,
-            fragments=options.fragments,
-            delay=options.delay,
-            mixing=options.mixing,
-            wire_dtype=options.wire,
-            backend=options.backend,
+            base, outer, AXIS, fragments=options.fragments, wire_dtype=options.wire, **rounds
         ), True
     if isinstance(options, SparseLoCoConfig):
         return jaxcomm.sparseloco(
-            base,
-            AXIS,
-            sync_every=options.sync_every,
-            density=options.density,
-            value_bits=options.value_bits,
-            delay=options.delay,
-            mixing=options.mixing,
-            backend=options.backend,
+            base, AXIS, density=options.density, value_bits=options.value_bits, **rounds
         ), True
     if config == "local":
         # The compute-only reference: DiLoCo's step with its sync after the
