@@ -28,7 +28,6 @@ Derivations and the choices' reasons: docs/dropin.md.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 
 import jax
@@ -43,24 +42,7 @@ from jaxcomm.transforms._state import (
     state_specs,
     varying_axes,
 )
-
-# The data axis of the step being traced, if any: the default axis_name of
-# jaxcomm.value_and_grad and jaxcomm.grad inside it.
-_STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_step_axis", default=None)
-
-
-def current_axis():
-    """The data axis of the :func:`data_parallel` step being traced, or None."""
-    return _STEP_AXIS.get()
-
-
-@contextlib.contextmanager
-def _step_axis(axis_name):
-    token = _STEP_AXIS.set(axis_name)
-    try:
-        yield
-    finally:
-        _STEP_AXIS.reset(token)
+from jaxcomm.step.axis import step_axis
 
 
 def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
@@ -139,7 +121,7 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         args, others = [], iter(_device_keys(rest, in_specs[1], axis))
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
-        with _step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
+        with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
             out = fun(*args)
         new_graphdef, new_state = _split(objects)
         if new_graphdef != graphdef:
