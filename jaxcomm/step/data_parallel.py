@@ -122,7 +122,7 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
         with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
-            out = fun(*args)
+            out = _run(fun, args)
         new_graphdef, new_state = _split(objects)
         if new_graphdef != graphdef:
             raise ValueError(
@@ -148,6 +148,23 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
             body, mesh=mesh, in_specs=in_specs, out_specs=found["out_specs"], axis_names={axis}
         )
     )
+
+
+def _run(fun, args):
+    """The user's step, with JAX's error for differentiating integers (an NNX
+    module's RNG keys under ``jax.grad``) said in terms of the fix."""
+    try:
+        return fun(*args)
+    except TypeError as e:
+        if "grad requires real- or complex-valued inputs" not in str(e):
+            raise
+        raise TypeError(
+            "jaxcomm.data_parallel: the step differentiates integer leaves (an NNX model's "
+            "RNG keys or counts, e.g. with Dropout): jax.value_and_grad and jax.grad take "
+            "the gradient of every leaf of their argument. Use jaxcomm.value_and_grad"
+            "(loss_fn)(model) (or jaxcomm.grad), which differentiates the model's nnx.Param "
+            "only, as nnx.value_and_grad does, and leaves the reduction to jaxcomm"
+        ) from e
 
 
 def _placed(tree, specs, mesh):
