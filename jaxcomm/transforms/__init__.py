@@ -2,7 +2,9 @@
 
 from jaxcomm.collectives import DEFAULT_BUCKET_BYTES
 from jaxcomm.transforms._buckets import plan_buckets
-from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
+from jaxcomm.transforms._per_device import PerDevice
+from jaxcomm.transforms._specs import state_specs
+from jaxcomm.transforms._stats import CommStats, get_stats
 from jaxcomm.transforms.accumulate import AccumulateState, accumulate
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse

@@ -33,10 +33,9 @@ from jaxcomm._sync_schedule import (
     sync_offsets,
     syncs,
 )
-from jaxcomm.collectives import reduction, to_varying
-from jaxcomm.transforms import _state
+from jaxcomm.collectives import reduction, to_varying, varying_axes
+from jaxcomm.transforms import _in_shards, _per_device, _stats
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
-from jaxcomm.transforms.local_params import holds_local_params
 from jaxcomm.transforms.sparseloco import SparseOuter
 
 
@@ -44,7 +43,7 @@ class DiLoCoState(NamedTuple):
     """State of :func:`diloco`.
 
     Attributes:
-      local: ``PerDevice`` params of each device (what its inner steps moved).
+      local: ``LocalParams`` (a ``PerDevice``) params of each device (what its inner steps moved).
       inner: ``PerDevice`` state of the inner optimizer on each device.
       outer: one outer optimizer state per fragment (the same on every
         device), over that fragment's leaves as a list.
@@ -65,18 +64,14 @@ class DiLoCoState(NamedTuple):
         does not have (a state restored mid-delay); ``()`` otherwise.
     """
 
-    local: _state.PerDevice
-    inner: _state.PerDevice
+    local: _per_device.LocalParams
+    inner: _per_device.PerDevice
     outer: tuple
     count: jax.Array
-    stats: _state.CommStats
+    stats: _stats.CommStats
     pending: tuple = ()
-    error: _state.PerDevice = _state.PerDevice(())
-    kept: _state.PerDevice = _state.PerDevice(())
-
-
-_state.per_device_fields(DiLoCoState, "local", "inner", "error", "kept")
-holds_local_params(DiLoCoState, "diloco")
+    error: _per_device.PerDevice = _per_device.PerDevice(())
+    kept: _per_device.PerDevice = _per_device.PerDevice(())
 
 
 def diloco(
@@ -237,18 +232,18 @@ def diloco(
         parts = [list(leaves[a:b]) for a, b in spans]
         error = rule.init_error(parts, comm)
         return DiLoCoState(
-            local=_state.per_device_copies(params, comm),
-            inner=_state.per_device_copies(inner.init(params), comm),
+            local=_per_device.LocalParams(_per_device.per_device_copies(params, comm).value),
+            inner=_per_device.per_device_copies(inner.init(params), comm),
             outer=tuple(rule.init(part) for part in parts),
             count=jnp.int32(0),
-            stats=_state.empty_stats(),
+            stats=_stats.empty_stats(),
             # Replicated like the params (zeros_like keeps their placement).
             pending=_pending(parts, delay, overlapped()),
             error=error,
             kept=(
-                _state.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
+                _per_device.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
                 if overlapped()
-                else _state.PerDevice(())
+                else _per_device.PerDevice(())
             ),
         )
 
@@ -262,18 +257,18 @@ def diloco(
         comm.check_dtypes(anchor, "param leaf")
         bound = comm.bind()
         _check_local_grads(bound, updates)
-        local = _state.local(state.local)
-        step, inner_state = inner.update(updates, _state.local(state.inner), local)
+        local = _per_device.local(state.local)
+        step, inner_state = inner.update(updates, _per_device.local(state.inner), local)
         local = treedef.flatten_up_to(optax.apply_updates(local, step))
 
         sizes = [int(np.size(x)) for x in anchor]
         spans = plan_fragments(sizes, fragments)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
-        errors = _state.local(state.error) if state.error.value else (None,) * len(spans)
+        errors = _per_device.local(state.error) if state.error.value else (None,) * len(spans)
         started = overlapped()
         send = _start if started else _send
         land = _finish if started else _land
-        kept = _state.local(state.kept) if started else (None,) * len(spans)
+        kept = _per_device.local(state.kept) if started else (None,) * len(spans)
         out, outer_states, new_errors, pending, new_kept = [], [], [], [], []
         sent, wire, elements, collectives = [], [], [], []
         rows = [None] * len(local)
@@ -341,7 +336,7 @@ def diloco(
             elements.append(jnp.where(due, n, 0))
             nonfinite = nonfinite | bad
 
-        stats = _state.CommStats(
+        stats = _stats.CommStats(
             payload_bytes=jnp.asarray(sum(sent), jnp.float32),
             bytes_sent=jnp.asarray(sum(wire), jnp.float32),
             collectives=jnp.asarray(sum(collectives), jnp.int32),
@@ -349,18 +344,18 @@ def diloco(
             nonfinite=nonfinite,
         )
         new = DiLoCoState(
-            local=_state.PerDevice(treedef.unflatten(rows)),
-            inner=_state.as_row(inner_state),
+            local=_per_device.LocalParams(treedef.unflatten(rows)),
+            inner=_per_device.as_row(inner_state),
             outer=tuple(outer_states),
             count=state.count + 1,
             stats=stats,
             pending=tuple(pending),
-            error=_state.as_row(tuple(new_errors)) if state.error.value else state.error,
-            kept=_state.as_row(tuple(new_kept)) if started else state.kept,
+            error=_per_device.as_row(tuple(new_errors)) if state.error.value else state.error,
+            kept=_per_device.as_row(tuple(new_kept)) if started else state.kept,
         )
         return treedef.unflatten(out), new
 
-    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))
 
 
 class _OptaxOuter:
@@ -378,8 +373,10 @@ class _OptaxOuter:
     def init_error(self, parts, comm):
         """Per fragment, per device: what the wire dropped at its last sync."""
         if not self.error_feedback:
-            return _state.PerDevice(())
-        return _state.per_device_zeros(tuple(list(part) for part in parts), comm, "error feedback")
+            return _per_device.PerDevice(())
+        return _per_device.per_device_zeros(
+            tuple(list(part) for part in parts), comm, "error feedback"
+        )
 
     def outgoing(self, anchor, local, error, bound):
         """What this device sends: params - local, plus what the wire dropped
@@ -389,7 +386,7 @@ class _OptaxOuter:
         if error is None:
             return delta, None
         sent = [d + e for d, e in zip(delta, error, strict=True)]
-        bad = _state.any_nonfinite(sent)
+        bad = _stats.any_nonfinite(sent)
         return sent, [
             jnp.where(bad, e, bound.cast_error(x)) for x, e in zip(sent, error, strict=True)
         ]
@@ -417,7 +414,7 @@ def _sync(operands, bound, rule, theta):
     anchor, local, outer_state, error = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
     u, outer_state = rule.step(mean, outer_state, anchor)
-    return _pack(u), outer_state, error, _state.any_nonfinite(mean)
+    return _pack(u), outer_state, error, _stats.any_nonfinite(mean)
 
 
 def _skip(operands):
@@ -431,7 +428,7 @@ def _send(operands, bound, rule, theta):
     """A delayed sync: the averaged pseudo-gradient, kept until it lands."""
     anchor, local, error, _, kept = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
-    return list(mean), error, kept, _state.any_nonfinite(mean)
+    return list(mean), error, kept, _stats.any_nonfinite(mean)
 
 
 def _start(operands, bound, rule, theta):
@@ -490,7 +487,7 @@ def _finish(operands, bound, rule):
         )
     mean = _unpack(done, anchor)
     u, outer_state = rule.step(mean, outer_state, anchor)
-    return _pack(u), outer_state, _state.any_nonfinite(mean)
+    return _pack(u), outer_state, _stats.any_nonfinite(mean)
 
 
 def _no_landing(operands):
@@ -521,7 +518,7 @@ def _group(x) -> tuple:
     """What leaves packed together share: the dtype, and the mesh axes the
     value is typed as varying over (a sharded model's shards differ over
     "fsdp", its replicated leaves do not: packed apart, each keeps its type)."""
-    return jnp.result_type(x), _state.varying_axes(x)
+    return jnp.result_type(x), varying_axes(x)
 
 
 def _groups(leaves) -> list:
