@@ -1,7 +1,8 @@
 """Helpers shared by the collective benchmarks in ``bench/``.
 
 Nothing here imports jax: a benchmark must set ``XLA_FLAGS`` before jax is
-imported, and importing this module first must not get in the way. Timing
+imported (:func:`host_devices`), and importing this module first must not
+get in the way. Timing
 itself is ``jaxcomm.costmodel.time_call`` / ``time_rounds``, shared with the
 cost model's own measurements.
 """
@@ -14,6 +15,26 @@ import threading
 import time
 
 import numpy as np
+
+HOST_DEVICES = 8  # the CPU benchmarks' devices, one process
+
+
+def host_devices(count: int = HOST_DEVICES) -> None:
+    """Has jax make ``count`` CPU devices, unless ``XLA_FLAGS`` is set already
+    (a test session's, or the caller's own); call it before jax is imported.
+
+    Args:
+      count: host platform devices, ``--xla_force_host_platform_device_count``.
+
+    Example::
+
+      import _common
+
+      _common.host_devices()
+      import jax  # noqa: E402
+    """
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
+
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -113,6 +134,30 @@ def copy_bandwidth(
     best = min(run_once() for _ in range(reps))
     moved = 2 * threads * copies * buffer_bytes
     return moved / best, threads
+
+
+def carried(run: list, *inputs):
+    """A call of ``run = [step, *state]`` that carries on from its own result:
+    each call is ``step(*state, *inputs)``, whose outputs become the next
+    call's state (``run[1:]``), so timed steps follow one another
+    (``time_rounds``) as in training.
+
+    Args:
+      run: the step function, then its state; updated in place.
+      inputs: the same trailing arguments every call (the gradients).
+
+    Example:
+      >>> run = [lambda n, total, step: (n + step, total + n), 1, 0]
+      >>> call = carried(run, 10)
+      >>> call(), call()
+      ([11, 1], [21, 12])
+    """
+
+    def call():
+        run[1:] = run[0](*run[1:], *inputs)
+        return run[1:]
+
+    return call
 
 
 def pyplot(path):

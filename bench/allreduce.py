@@ -93,22 +93,18 @@ Usage::
   python bench/allreduce.py --sizes 1M,64M --json out.json --plot out.png
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import argparse
 import dataclasses
 import functools
 import gc
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 
-import jax
-import numpy as np
+import _common
 from _common import (
     bus_factor_allreduce,
     copy_bandwidth,
@@ -119,13 +115,18 @@ from _common import (
     pyplot,
     reps_for,
 )
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-import jaxcomm
-from jaxcomm.costmodel import time_call, time_rounds
+_common.host_devices()  # before jax is imported
 
-N = 8
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxcomm  # noqa: E402
+from jaxcomm.costmodel import time_call, time_rounds  # noqa: E402
+
+N = _common.HOST_DEVICES
 AXIS = "i"
 TIMED = ("ffi", "psum", "ffi-ring")  # run and timed, interleaved
 IMPLS = ("ffi", "ffi-ring", "psum", "roofline")  # reported

@@ -44,7 +44,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
-import network  # noqa: E402
 
 CONFIGS = ("local", "overlapped", "sync", "plain")
 AXIS = "data"
@@ -78,9 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--delay {args.delay} must be in [1, --sync-every {args.sync_every})")
     try:
         args.rate_bps = netbed.parse_rate(args.rate)
+        args.rates = [args.rate_bps]
     except ValueError as e:
         parser.error(str(e))
-    args.devices_per_host = 1  # network.worker_env reads it
+    args.devices_per_host = 1
     return args
 
 
@@ -96,15 +96,13 @@ def worker(args) -> int:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    from network_worker import emit, progress
-    from quality_worker import load_example
+    from testbed_worker import data_mesh, emit, join, load_example, placer, progress
 
     import jaxcomm
-    from jaxcomm import _ffi, distributed
+    from jaxcomm import _ffi
 
-    distributed.initialize()
+    join()
     config = args.worker
     data, model = load_example("lm", "data", "model")
     corpus = data.load_corpus()
@@ -117,8 +115,7 @@ def worker(args) -> int:
         logits = nnx.merge(graphdef, params)(windows[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    mesh = data_mesh(AXIS)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     # local: the first sync after the last step, untimed ones included.
     warm = args.sync_every + args.delay
@@ -129,11 +126,7 @@ def worker(args) -> int:
         optax.adamw(3e-3), outer, AXIS, sync_every=every, delay=delay, backend=backend
     )
 
-    def place(value, spec):
-        value = np.asarray(value)
-        return jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, spec), lambda i: value[i]
-        )
+    place = placer(mesh)
 
     params = jax.tree.map(lambda v: place(v, P()), params)
     with jax.set_mesh(mesh):
@@ -191,31 +184,12 @@ def worker(args) -> int:
 
 
 def run_inside(args) -> int:
-    netbed.install_interrupt_handlers()
-    deadline = time.monotonic() + args.timeout
-    rows = []
-    try:
-        with netbed.Testbed(args.hosts, args.rate_bps) as bed:
-            measured = netbed.measure_link(bed, seconds=2.0)
-            rows.append({"config": "link", "rate_bps": args.rate_bps, "measured_bps": measured})
-            say(f"{netbed.format_rate(args.rate_bps)}: one TCP stream {measured / 1e6:.1f} Mbit/s")
-            for config in args.config_list:
-                say(f"{config}: starting")
-                argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-                result = netbed.run_hosts(
-                    bed,
-                    [*argv, "--worker", config],
-                    lambda host: network.worker_env(args, bed, host),
-                    deadline=deadline,
-                )
-                rows.extend({"rate_bps": args.rate_bps, **r} for r in result.rows)
-                network.write_json(args.json, rows)
-                if result.code:
-                    say(f"{config}: failed ({result.code})")
-                    return result.code
-    except (netbed.Interrupted, netbed.NetbedError) as stop:
-        return netbed.stopped(stop, say)
-    return 0
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+    return netbed.run_testbed(
+        lambda rate, rows: [(config, [*argv, "--worker", config]) for config in args.config_list],
+        netbed.Layout.of(args),
+        say=say,
+    )
 
 
 def report(args, rows: list[dict]):

@@ -22,14 +22,14 @@ step (copies, broadcasts, loop fusions).
 
 from __future__ import annotations
 
-import os
+import argparse
+import re
+import statistics
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import _common
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
+_common.host_devices()  # before jax is imported
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -136,15 +136,7 @@ def main(argv=None) -> int:
                     f.write(hlo)
         runs[name] = [run, *jax.block_until_ready(run(p, state, grads))]
 
-    def advance(carry):
-        def call():
-            run, p, s = carry
-            carry[1:] = run(p, s, grads)
-            return carry[1:]
-
-        return call
-
-    timed = time_rounds([advance(c) for c in runs.values()], reps=args.rounds)
+    timed = time_rounds([_common.carried(c, grads) for c in runs.values()], reps=args.rounds)
     samples = dict(zip(runs, timed, strict=True))
     print(f"{'step':<8} {'median ms':>10} {'/ local':>8} {'min ms':>8} {'/ local':>8}")
     for name, times in samples.items():

@@ -25,22 +25,23 @@ shows busbw (nccl-tests: size/time * 2(N-1)/N) against size, measured points and
 the fitted model's line, per backend.
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import argparse
 import json
+import os
 import pathlib
 import sys
 
-import jax
+import _common
 from _common import bus_factor_allreduce, format_size, parse_sizes, pyplot
 
-import jaxcomm
-from jaxcomm.costmodel import fit_alpha_beta, measure_allreduce
+_common.host_devices()  # before jax is imported
 
-N = 8
+import jax  # noqa: E402
+
+import jaxcomm  # noqa: E402
+from jaxcomm.costmodel import fit_alpha_beta, measure_allreduce  # noqa: E402
+
+N = _common.HOST_DEVICES
 # 4 KiB .. 4 MiB per device, powers of 2: the regime one alpha-beta line describes on
 # the CPU host (see bench/README.md: from 8 MiB, memory and page faults take over).
 DEFAULT_SIZES = [(4 << 10) << k for k in range(11)]

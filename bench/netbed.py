@@ -1,7 +1,9 @@
 """Hosts on a shaped network, on one machine: network namespaces, a bridge, tbf.
 
-``bench/network.py`` re-runs itself through :func:`run_isolated` inside fresh
-mount, network and PID namespaces (``unshare``), where it is PID 1. There a
+A bench on the testbed (``bench/network.py``, ``bench/time_to_quality.py``,
+``bench/diloco_overlap.py``) re-runs itself through :func:`run_isolated`
+inside fresh mount, network and PID namespaces (``unshare``), where it is
+PID 1, and there hands its commands to :func:`run_testbed`. There a
 :class:`Testbed` gives each host its own network namespace, joined to one
 bridge by a veth pair whose two ends are both shaped with ``tc tbf`` to the
 link rate, so every host's traffic is limited in both directions. Addresses
@@ -13,25 +15,36 @@ with them the links, qdiscs, and the tmpfs mounts that hold ``ip netns``'
 files. Teardown on a normal exit, a failing host, or SIGINT/SIGTERM is
 explicit as well (:meth:`Testbed.close`, :func:`run_hosts`).
 
+Run as a script it reruns one command of any of those benches alone: the
+same command on every host, the same testbed, its rows printed (and written
+to ``--json``); each bench says this line for every command it starts::
+
+    python bench/netbed.py --hosts 2 --rate 1gbit -- \
+        bench/network_worker.py --workload allreduce --paths ring --sizes-mib 1
+
 Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN), ``unshare`` (util-linux) and
 ``ip``/``tc`` (iproute2).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Set in the re-run copy: the namespaces exist, do not unshare again.
 INSIDE_ENV = "JAXCOMM_NETBED_INSIDE"
@@ -459,3 +472,232 @@ def measure_link(bed: Testbed, *, seconds: float = 3.0) -> float:
             receiver.kill()
             receiver.wait()
     return float(out.strip())
+
+
+def worker_env(bed: Testbed, host: int, *, devices_per_host: int) -> dict:
+    """The environment of ``host``'s process: what ``python -m jaxcomm.launch``
+    sets for it (the coordinator on host 0's link address), this checkout
+    first on ``PYTHONPATH``, and the host's link as gloo's interface."""
+    from jaxcomm import launch
+
+    base = {k: v for k, v in os.environ.items() if k != INSIDE_ENV}
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, base.get("PYTHONPATH")]))
+    env = launch.process_env(
+        base,
+        rank=host,
+        num_processes=bed.hosts,
+        port=COORDINATOR_PORT,
+        devices_per_process=devices_per_host,
+    )
+    env["JAXCOMM_COORDINATOR"] = f"{host_address(0)}:{COORDINATOR_PORT}"
+    env["JAXCOMM_SOCKET_IFNAME"] = bed.interface(host)  # gloo's interface
+    return env
+
+
+def write_json(path: str | None, rows: list[dict]):
+    """``rows`` to ``path`` as one JSON list, where a path is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def rerun_line(*, hosts: int, rate_bps: int, devices_per_host: int, argv: Sequence[str]) -> str:
+    """The command line that runs ``argv`` alone on the same testbed (this
+    file as a script), paths relative to the checkout.
+
+    Examples:
+      >>> rerun_line(hosts=2, rate_bps=10**9, devices_per_host=1,
+      ...            argv=[sys.executable, f"{REPO}/bench/w.py", "--steps", "3"])
+      'python bench/netbed.py --hosts 2 --rate 1gbit -- bench/w.py --steps 3'
+    """
+    words = list(argv[1:] if argv and argv[0] == sys.executable else argv)
+    words = [os.path.relpath(w, REPO) if w.startswith(REPO + os.sep) else w for w in words]
+    devices = f" --devices-per-host {devices_per_host}" if devices_per_host != 1 else ""
+    return (
+        f"python bench/netbed.py --hosts {hosts} --rate {format_rate(rate_bps)}{devices} -- "
+        + shlex.join(words)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a run on the testbed is laid out as.
+
+    Attributes:
+      hosts: processes, one per network namespace.
+      rates: link rates in bits per second, run one after another.
+      devices_per_host: CPU devices of each process.
+      timeout_s: seconds for the whole run; past it every host is stopped (124).
+      json_path: where the rows go after each command, or None.
+    """
+
+    hosts: int
+    rates: tuple[int, ...]
+    devices_per_host: int = 1
+    timeout_s: float = 3600.0
+    json_path: str | None = None
+
+    @classmethod
+    def of(cls, args) -> Layout:
+        """From a bench's parsed arguments: ``hosts``, ``rates``,
+        ``devices_per_host``, ``timeout`` and ``json``, as every bench on the
+        testbed names them."""
+        return cls(args.hosts, tuple(args.rates), args.devices_per_host, args.timeout, args.json)
+
+
+def run_testbed(
+    commands: Callable[[int, list[dict]], Iterable[tuple[str, Sequence[str]]]],
+    layout: Layout,
+    *,
+    say: Callable[[str], None],
+    link_s: float = 2.0,
+    row_for: Callable[[dict, int], dict] | None = None,
+    on_rows: Callable[[list[dict]], None] | None = None,
+    on_line: Callable[[int, str], None] | None = None,
+    keep_going: bool = False,
+) -> int:
+    """Runs commands on a testbed, inside :func:`run_isolated`'s namespaces; the exit code.
+
+    Builds the layout's namespaces and, rate by rate, shapes the links,
+    measures one TCP stream (a ``"link"`` row) and runs each of
+    ``commands(rate, rows)`` on every host, one after another
+    (:func:`run_hosts`). Every row so far goes to the layout's JSON path
+    after each command. SIGINT/SIGTERM or a testbed that cannot be built stop
+    the run (:func:`stopped`).
+
+    Args:
+      commands: ``(rate_bps, rows so far) -> (name, argv)`` pairs: the
+        commands to run at that rate, ``name`` for messages.
+      layout: hosts, rates, devices, time limit and JSON path (:class:`Layout`).
+      say: progress messages (stderr).
+      link_s: seconds of the link measurement.
+      row_for: ``(row, rate_bps) -> row`` as stored; default the row with
+        ``rate_bps`` first.
+      on_rows: called with one command's stored rows, after it ran.
+      on_line: a host's output lines (:func:`run_hosts`).
+      keep_going: after a failing command, run the rest (the code is the
+        last failure's); else stop. A timeout always stops.
+
+    Example (as a bench's ``run_inside`` calls it)::
+
+      run_testbed(
+          lambda rate, rows: [("dense", [sys.executable, "bench/quality_worker.py", ...])],
+          Layout(hosts=2, rates=(10**9,), json_path="rows.json"),
+          say=say,
+      )
+    """
+    if row_for is None:
+
+        def row_for(row, rate_bps):
+            return {"rate_bps": rate_bps, **row}
+
+    install_interrupt_handlers()
+    deadline = time.monotonic() + layout.timeout_s
+    rows: list[dict] = []
+    code = 0
+    hosts, devices_per_host = layout.hosts, layout.devices_per_host
+    try:
+        say(f"{hosts} hosts x {devices_per_host} CPU devices, tbf on both link ends")
+        with Testbed(hosts, layout.rates[0]) as bed:
+            for rate in layout.rates:
+                bed.set_rate(rate)
+                measured = measure_link(bed, seconds=link_s)
+                rows.append(
+                    {
+                        "rate_bps": rate,
+                        "hosts": hosts,
+                        "config": "link",
+                        "measured_bps": measured,
+                        "link_fraction": measured / rate,
+                    }
+                )
+                print(
+                    f"\n== {format_rate(rate)} per host: one TCP stream measured "
+                    f"{measured / 1e6:.1f} Mbit/s ({100 * measured / rate:.1f}% of the rate)",
+                    flush=True,
+                )
+                for name, argv in commands(rate, rows):
+                    started = time.monotonic()
+                    say(f"{format_rate(rate)} {name}: starting")
+                    alone = rerun_line(
+                        hosts=hosts, rate_bps=rate, devices_per_host=devices_per_host, argv=argv
+                    )
+                    say(f"alone: {alone}")
+                    result = run_hosts(
+                        bed,
+                        argv,
+                        lambda host: worker_env(bed, host, devices_per_host=devices_per_host),
+                        deadline=deadline,
+                        on_line=on_line,
+                    )
+                    done = [row_for(r, rate) for r in result.rows]
+                    rows.extend(done)
+                    write_json(layout.json_path, rows)
+                    if on_rows is not None:
+                        on_rows(done)
+                    say(
+                        f"{format_rate(rate)} {name}: "
+                        f"{'done' if not result.code else result.failed} "
+                        f"in {time.monotonic() - started:.0f} s"
+                    )
+                    if result.code == 124 or (result.code and not keep_going):
+                        return result.code
+                    code = result.code or code
+    except (Interrupted, NetbedError) as stop:
+        code = stopped(stop, say)
+    write_json(layout.json_path, rows)
+    return code
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The options before ``--`` and, as ``command``, the host's command after it."""
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        description="Runs one command on every host of a shaped testbed (bench/netbed.py).",
+        usage="python bench/netbed.py [options] -- script.py [its arguments]",
+    )
+    parser.add_argument("--hosts", type=int, default=2, help="processes, one per namespace (2)")
+    parser.add_argument("--rate", default="1gbit", help="link rate(s), comma-separated (1gbit)")
+    parser.add_argument("--devices-per-host", type=int, default=1, help="CPU devices (1)")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds (3600)")
+    args = parser.parse_args(argv[:split])
+    args.command = argv[split + 1 :]
+    if not args.command:
+        parser.error("no command: put the host's command after --")
+    if args.hosts < 2:
+        parser.error(f"--hosts {args.hosts}: need at least 2")
+    try:
+        args.rates = [parse_rate(r) for r in args.rate.split(",") if r.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python bench/netbed.py --hosts H --rate R -- script.py ...``: each
+    row the command prints on host 0 (``@row {json}``), as a JSON line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+
+    def say(message: str):
+        print(f"netbed: {message}", file=sys.stderr, flush=True)
+
+    if os.environ.get(INSIDE_ENV) != "1":
+        return rerun_isolated(__file__, argv, timeout_s=args.timeout + 60, say=say)
+    command = list(args.command)
+    if command[0].endswith(".py"):
+        command = [sys.executable, os.path.abspath(command[0]), *command[1:]]
+
+    def show(rows: list[dict]):
+        for row in rows:
+            print(json.dumps(row), flush=True)
+
+    name = os.path.basename(command[1] if command[0] == sys.executable else command[0])
+    return run_testbed(lambda rate, rows: [(name, command)], Layout.of(args), say=say, on_rows=show)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [REPO]  # jaxcomm of this checkout, as the benches run it
+    sys.exit(main())

@@ -46,10 +46,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
@@ -188,23 +186,6 @@ def worker_argv(args) -> list[str]:
     return argv
 
 
-def worker_env(args, bed: netbed.Testbed, host: int) -> dict:
-    from jaxcomm import launch
-
-    base = {k: v for k, v in os.environ.items() if k != netbed.INSIDE_ENV}
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, base.get("PYTHONPATH")]))
-    env = launch.process_env(
-        base,
-        rank=host,
-        num_processes=args.hosts,
-        port=netbed.COORDINATOR_PORT,
-        devices_per_process=args.devices_per_host,
-    )
-    env["JAXCOMM_COORDINATOR"] = f"{netbed.host_address(0)}:{netbed.COORDINATOR_PORT}"
-    env["JAXCOMM_SOCKET_IFNAME"] = bed.interface(host)  # gloo's interface
-    return env
-
-
 def add_rates(row: dict, rate_bps: int) -> dict:
     """The row with the link rate, and for a timed allreduce its bandwidths."""
     row = {"rate_bps": rate_bps, **row}
@@ -273,61 +254,26 @@ def table(rows: list[dict], workload: str) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | None, rows: list[dict]):
-    if path:
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
 def run_inside(args) -> int:
-    netbed.install_interrupt_handlers()
-    deadline = time.monotonic() + args.timeout
-    all_rows: list[dict] = []
-    code = 0
-    try:
-        say(f"{args.hosts} hosts x {args.devices_per_host} CPU devices, tbf on both link ends")
-        with netbed.Testbed(args.hosts, args.rates[0]) as bed:
-            for rate in args.rates:
-                bed.set_rate(rate)
-                measured = netbed.measure_link(bed, seconds=2.0 if args.quick else 3.0)
-                link_row = {
-                    "rate_bps": rate,
-                    "hosts": args.hosts,
-                    "config": "link",
-                    "measured_bps": measured,
-                    "link_fraction": measured / rate,
-                }
-                all_rows.append(link_row)
-                print(
-                    f"\n== {netbed.format_rate(rate)} per host: one TCP stream measured "
-                    f"{measured / 1e6:.1f} Mbit/s ({100 * measured / rate:.1f}% of the rate)",
-                    flush=True,
-                )
-                if args.check_link:
-                    continue
-                say(f"{args.workload} at {netbed.format_rate(rate)}")
-                result = netbed.run_hosts(
-                    bed,
-                    worker_argv(args),
-                    lambda host: worker_env(args, bed, host),
-                    deadline=deadline,
-                )
-                rows = [add_rates(r, rate) for r in result.rows]
-                all_rows.extend(rows)
-                print(
-                    f"{args.workload}, {args.hosts} hosts x {args.devices_per_host} devices"
-                    f"{', fsdp inside a host' if args.fsdp else ''}\n" + table(rows, args.workload),
-                    flush=True,
-                )
-                write_json(args.json, all_rows)
-                if result.code:
-                    say(f"{result.failed}; stopped")
-                    code = result.code
-                    break
-    except (netbed.Interrupted, netbed.NetbedError) as stop:
-        code = netbed.stopped(stop, say)
-    write_json(args.json, all_rows)
-    return code
+    def commands(rate, rows):
+        del rate, rows
+        return [] if args.check_link else [(args.workload, worker_argv(args))]
+
+    def show(rows):
+        print(
+            f"{args.workload}, {args.hosts} hosts x {args.devices_per_host} devices"
+            f"{', fsdp inside a host' if args.fsdp else ''}\n" + table(rows, args.workload),
+            flush=True,
+        )
+
+    return netbed.run_testbed(
+        commands,
+        netbed.Layout.of(args),
+        say=say,
+        link_s=2.0 if args.quick else 3.0,
+        row_for=add_rates,
+        on_rows=show,
+    )
 
 
 def main(argv=None) -> int:

@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import re
 import statistics
-import sys
 import time
 
-ROW_PREFIX = "@row "
+from testbed_worker import describe_error, emit, join, load_example, progress
+
 MIB = 1 << 20
 # jaxcomm.allreduce algorithms on the xla backend, and "ffi": jaxcomm's own
 # ring over its TCP transport (backend="ffi").
@@ -88,29 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--params-out", help="train: write each config's final params here")
     return parser.parse_args(argv)
-
-
-def emit(row: dict, rows: list | None = None):
-    """Prints the row (process 0) and appends it to ``rows`` (every process)."""
-    import jax
-
-    if jax.process_index() == 0:
-        print(ROW_PREFIX + json.dumps(row), flush=True)
-    if rows is not None:
-        rows.append(row)
-
-
-def progress(message: str):
-    import jax
-
-    if jax.process_index() == 0:
-        print(message, file=sys.stderr, flush=True)
-
-
-def describe_error(e: Exception) -> str:
-    """The exception on one line, shortened: it goes into a table cell and a JSON row."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}"
 
 
 AXES = ("host", "local")
@@ -517,7 +493,6 @@ def lm_problem(args):
     import jax
     import numpy as np
     from flax import nnx
-    from quality_worker import load_example  # beside this file; it imports this one
 
     (model_module,) = load_example("lm", "model")
     model = model_module.ByteTransformer(rngs=nnx.Rngs(0))
@@ -792,17 +767,7 @@ def overlap_row(args, mesh, x, a, n, width, compute, path: str) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    import jaxcomm
-
-    settings = jaxcomm.distributed.initialize()
-    if args.fail_rank is not None and settings.process_id == args.fail_rank:
-        print(f"process {settings.process_id}: failing on purpose (--fail-rank)", flush=True)
-        # As a crash would: sys.exit would wait in jax.distributed's shutdown barrier.
-        os._exit(3)
-    progress(
-        f"{settings.num_processes} processes, coordinator {settings.coordinator_address}, "
-        f"interface {os.environ.get('JAXCOMM_SOCKET_IFNAME')}"
-    )
+    join(fail_rank=args.fail_rank, say_interface=True)
     workloads = {
         "allreduce": run_allreduce,
         "check": run_check,

@@ -19,17 +19,17 @@ for (two XLA CPU collectives in flight can abort; see README).
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+from collections.abc import Callable
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import _common
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+_common.host_devices()  # before jax is imported
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -152,13 +152,7 @@ def measure(model: str, names: list[str], rounds: int, progress) -> dict[str, li
 
     def advance(run):
         """One step of `run`, whose params and state then carry on from its result."""
-
-        def call():
-            step, params, state = run
-            run[1:] = step(params, state, grads)
-            return run[1:]
-
-        return call
+        return _common.carried(run, grads)
 
     baseline = build(names[0])
     times = {}

@@ -1,7 +1,8 @@
 """One host of ``bench/time_to_quality.py``: trains one configuration, validates, prints rows.
 
 Started in each host's network namespace with the variables ``python -m
-jaxcomm.launch`` sets, as ``bench/network_worker.py`` is. Trains a model
+jaxcomm.launch`` sets, as ``bench/network_worker.py`` is
+(``bench/testbed_worker.py``). Trains a model
 data-parallel over every device of every host with one gradient-exchange
 configuration for ``--steps`` steps, one step in flight, and every
 ``--eval-every`` steps (and at step 0 and the last) measures validation
@@ -28,19 +29,22 @@ not the evaluations.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
-import os
 import re
 import statistics
-import sys
 import time
 from typing import Any, NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from network_worker import describe_error, emit, progress  # noqa: E402  (beside this file)
+from testbed_worker import (
+    data_mesh,
+    describe_error,
+    emit,
+    join,
+    load_example,
+    placer,
+    progress,
+)
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 AXIS = "data"
 MODELS = ("lm", "digits")
 # name -> what the exchange is; make_optimizer builds them.
@@ -280,23 +284,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_example(example: str, *modules: str) -> list:
-    """Modules of ``examples/<example>`` (flat scripts importing each other by
-    bare name), imported with its directory first on the path; the bare names
-    leave ``sys.modules`` again so another example's cannot clash."""
-    directory = os.path.join(EXAMPLES, example)
-    names = {f[:-3] for f in os.listdir(directory) if f.endswith(".py")}
-    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
-    sys.path.insert(0, directory)
-    try:
-        return [importlib.import_module(m) for m in modules]
-    finally:
-        sys.path.remove(directory)
-        for n in names:
-            sys.modules.pop(n, None)
-        sys.modules.update(saved)
-
-
 class Task(NamedTuple):
     """A model, its data and how its quality is measured."""
 
@@ -447,29 +434,22 @@ def make_optimizer(config: str, base, steps: int):
             backend="xla",
         )
         return optax.chain(reduce, base), False
+    if isinstance(options, DiLoCoConfig | SparseLoCoConfig):
+        # What the two share: when they sync, when the update lands, how.
+        rounds = {
+            "sync_every": options.sync_every,
+            "delay": options.delay,
+            "mixing": options.mixing,
+            "backend": options.backend,
+        }
     if isinstance(options, DiLoCoConfig):
         outer = optax.sgd(options.outer_lr, momentum=options.outer_momentum, nesterov=True)
         return jaxcomm.diloco(
-            base,
-            outer,
-            AXIS,
-            sync_every=options.sync_every,
-            fragments=options.fragments,
-            delay=options.delay,
-            mixing=options.mixing,
-            wire_dtype=options.wire,
-            backend=options.backend,
+            base, outer, AXIS, fragments=options.fragments, wire_dtype=options.wire, **rounds
         ), True
     if isinstance(options, SparseLoCoConfig):
         return jaxcomm.sparseloco(
-            base,
-            AXIS,
-            sync_every=options.sync_every,
-            density=options.density,
-            value_bits=options.value_bits,
-            delay=options.delay,
-            mixing=options.mixing,
-            backend=options.backend,
+            base, AXIS, density=options.density, value_bits=options.value_bits, **rounds
         ), True
     if config == "local":
         # The compute-only reference: DiLoCo's step with its sync after the
@@ -501,13 +481,11 @@ def run(args):
     import jax
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
+    mesh = data_mesh(AXIS)
     n = mesh.size
     task = {"lm": lm_task, "digits": digits_task}[args.model](args, n)
     tx, is_diloco = make_optimizer(args.config, task.base_optimizer, args.steps)
@@ -525,9 +503,7 @@ def run(args):
         "higher_is_better": task.higher_is_better,
     }
 
-    def place(value, spec):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+    place = placer(mesh)
 
     def initial_params():
         return jax.tree.map(lambda v: place(v, P()), task.params)
@@ -716,10 +692,7 @@ def sync_and_local_steps(step_times, sent) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    import jaxcomm
-
-    settings = jaxcomm.distributed.initialize()
-    progress(f"{settings.num_processes} processes, coordinator {settings.coordinator_address}")
+    join()
     try:
         run(args)
     except Exception as e:  # noqa: BLE001  (a failing configuration is a result)

@@ -40,13 +40,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
-import network  # noqa: E402
 import quality_worker  # noqa: E402  (imports JAX only when run)
 
 WORKER = os.path.join(REPO, "bench", "quality_worker.py")
@@ -137,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(str(e))
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts}: need at least 2")
-    args.devices_per_host = 1  # network.worker_env reads it
+    args.devices_per_host = 1
     return args
 
 
@@ -184,50 +182,23 @@ def stop_quality(args, rows: list[dict], rate: float) -> float | None:
 
 def run_inside(args) -> int:
     """Inside the namespaces: every rate, every configuration; rows to ``args.json``."""
-    netbed.install_interrupt_handlers()
-    deadline = time.monotonic() + args.timeout
-    rows: list[dict] = []
-    code = 0
+
+    def commands(rate, rows):
+        # Lazily: --stop-at-quality dense reads dense's rows at this rate.
+        for config in args.config_list:
+            yield config, worker_argv(args, config, stop_quality(args, rows, rate))
 
     def on_line(host, line):
         if host == 0:  # process 0 reports; the others would repeat it
             print(f"  {line}", file=sys.stderr, flush=True)
 
-    try:
-        with netbed.Testbed(args.hosts, args.rates[0]) as bed:
-            for rate in args.rates:
-                bed.set_rate(rate)
-                measured = netbed.measure_link(bed, seconds=2.0)
-                rows.append({"rate_bps": rate, "config": "link", "measured_bps": measured})
-                say(
-                    f"{netbed.format_rate(rate)}: one TCP stream carries "
-                    f"{measured / 1e6:.1f} Mbit/s; {args.hosts} hosts x 1 CPU device"
-                )
-                for config in args.config_list:
-                    started = time.monotonic()
-                    say(f"{netbed.format_rate(rate)} {config}: starting")
-                    result = netbed.run_hosts(
-                        bed,
-                        worker_argv(args, config, stop_quality(args, rows, rate)),
-                        lambda host: network.worker_env(args, bed, host),
-                        deadline=deadline,
-                        on_line=on_line,
-                    )
-                    rows.extend({"rate_bps": rate, **r} for r in result.rows)
-                    network.write_json(args.json, rows)
-                    say(
-                        f"{netbed.format_rate(rate)} {config}: "
-                        f"{'done' if not result.code else result.failed} "
-                        f"in {time.monotonic() - started:.0f} s"
-                    )
-                    if result.code == 124:
-                        return 124
-                    if result.code:
-                        code = result.code  # a failing configuration; the others still run
-    except (netbed.Interrupted, netbed.NetbedError) as stop:
-        code = netbed.stopped(stop, say)
-    network.write_json(args.json, rows)
-    return code
+    return netbed.run_testbed(
+        commands,
+        netbed.Layout.of(args),
+        say=say,
+        on_line=on_line,
+        keep_going=True,  # a failing configuration; the others still run
+    )
 
 
 def run_name(config: str, steps: int | None, baseline_steps: int | None) -> str:
@@ -629,7 +600,7 @@ def main(argv=None) -> int:
         with open(args.json) as f:
             rows = with_projection(args, json.load(f))
         if args.project_from:
-            network.write_json(args.json, rows)  # the projection, marked, beside the runs
+            netbed.write_json(args.json, rows)  # the projection, marked, beside the runs
         report(args, rows)
     if temporary is not None:
         os.unlink(args.json)
