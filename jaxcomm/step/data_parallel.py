@@ -35,13 +35,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.transforms._state import (
-    _is_nnx_object,
-    placed_spec,
-    spec_axes,
-    state_specs,
-    varying_axes,
-)
+from jaxcomm.collectives import varying_axes
+from jaxcomm.state import is_nnx_object, placed_spec, spec_axes, state_specs
 from jaxcomm.step.axis import step_axis
 
 
@@ -89,7 +84,7 @@ def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
     @functools.wraps(fun)
     def step(*args):
         on = _mesh(mesh, args, axis_name)
-        nodes = tuple(i for i, a in enumerate(args) if _is_nnx_object(a))
+        nodes = tuple(i for i, a in enumerate(args) if is_nnx_object(a))
         graphdef, state = _split(tuple(args[i] for i in nodes))
         rest = tuple(a for i, a in enumerate(args) if i not in nodes)
         in_specs = (
@@ -186,7 +181,7 @@ def _outputs(out, axis):
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     leaves = []
     for (path, x), spec in zip(flat, spec_leaves, strict=True):
-        if _is_nnx_object(x):
+        if is_nnx_object(x):
             raise TypeError(
                 f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} is an NNX object; "
                 "pass it as an argument (it is updated in place) instead of returning it"

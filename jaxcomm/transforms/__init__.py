@@ -1,8 +1,8 @@
 """Optax gradient transformations that communicate: dense allreduce, chunk-sparse, DiLoCo."""
 
 from jaxcomm.collectives import DEFAULT_BUCKET_BYTES
+from jaxcomm.state import CommStats, PerDevice, get_stats, state_specs
 from jaxcomm.transforms._buckets import plan_buckets
-from jaxcomm.transforms._state import CommStats, PerDevice, get_stats, state_specs
 from jaxcomm.transforms.accumulate import AccumulateState, accumulate
 from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allreduce_gradients
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
