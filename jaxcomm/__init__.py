@@ -26,9 +26,8 @@ from jaxcomm.collectives import (
     to_varying,
 )
 from jaxcomm.costmodel import plan
-from jaxcomm.grad import grad, value_and_grad
-from jaxcomm.local_grad import local_grad, local_value_and_grad
 from jaxcomm.replicas import ReplicaDiff, check_replicas, check_replicas_host
+from jaxcomm.step import data_parallel, grad, local_grad, local_value_and_grad, value_and_grad
 from jaxcomm.transforms import (
     AccumulateState,
     AllReduceGradientsState,
@@ -41,7 +40,6 @@ from jaxcomm.transforms import (
     accumulate,
     allreduce_gradients,
     chunk_sparse,
-    data_parallel,
     diloco,
     double_buffered,
     get_stats,

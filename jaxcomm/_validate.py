@@ -1,5 +1,6 @@
-"""Checks of plain-number options (counts, sizes, fractions, times), shared by
-every layer so that each kind of mistake reads the same everywhere.
+"""Checks of plain-number options (counts, sizes, fractions, times) and of
+input trees, shared by every layer so that each kind of mistake reads the
+same everywhere.
 
 A bool is never a number here: ``True`` would otherwise pass for 1.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -101,3 +104,28 @@ def check_optimizer(name: str, tx) -> None:
         raise TypeError(
             f"{name}={tx!r} must be an optax.GradientTransformation, e.g. optax.sgd(0.1)"
         )
+
+
+def check_same_tree(updates, reference, what: str, argument: str = "gradient") -> None:
+    """Raises ValueError naming the first path where the gradient tree and
+    `reference` (a tree the state was built with) differ in leaves or shapes."""
+    got = {
+        jax.tree_util.keystr(p): jnp.shape(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(updates)
+    }
+    want = {
+        jax.tree_util.keystr(p): jnp.shape(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(reference)
+    }
+    if got == want:
+        return
+    hint = "the gradient's tree must be that of the params the optimizer state was built for"
+    for path, shape in want.items():
+        if path not in got:
+            raise ValueError(f"{argument}{path} is missing: {hint}")
+        if got[path] != shape:
+            raise ValueError(
+                f"{argument}{path} has shape {got[path]} but the {what} holds {shape} there: {hint}"
+            )
+    extra = next(p for p in got if p not in want)
+    raise ValueError(f"{argument}{extra} is not in the {what}: {hint}")

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import optax
+from toy_transform import scaled_sign
 
 import jaxcomm
 
@@ -99,6 +100,10 @@ def _double_buffered(**options):
     return lambda a, inner: jaxcomm.double_buffered(inner, a, **options)
 
 
+def _scaled_sign(**options):
+    return lambda a, inner: optax.chain(scaled_sign(a, **options), inner)
+
+
 BF16, FP16, FP8 = jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 HIER = {"mesh": (2, 4), "axes": ("node", "local")}
 PER_DEVICE, LOCAL = {"per_device_state": True}, {"gradient_at_local_params": True}
@@ -151,6 +156,8 @@ CATALOG = (
     Config("double_buffered ffi fp16 ef",
            _double_buffered(wire_dtype=FP16, error_feedback=True, backend="ffi"), adamw,
            **PER_DEVICE, **LOCAL, backend="ffi"),
+    # The worked example of docs/contributing.md (tests/toy_transform.py).
+    Config("toy scaled_sign", _scaled_sign(), slow_sgd_momentum, **PER_DEVICE),
 )
 # fmt: on
 BY_NAME = {c.name: c for c in CATALOG}

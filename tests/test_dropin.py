@@ -179,6 +179,38 @@ def test_refuses_params_updated_without_jaxcomm():
         step(model, optimizer, jnp.ones((jax.device_count(), 2)))
 
 
+def test_jax_value_and_grad_of_a_model_with_dropout_is_told_what_to_use():
+    """jax.value_and_grad differentiates every leaf of the module, its RNG
+    keys too: JAX's dtype error becomes one that names the fix, and the same
+    process then runs the corrected step."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(2, 1, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    model = Model(nnx.Rngs(0, dropout=1))
+    tx = optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(0.1))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.ones((2 * jax.device_count(), 2))
+
+    def step_with(value_and_grad):
+        @jaxcomm.data_parallel
+        def step(model, optimizer, x):
+            loss, grads = value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        return step
+
+    with pytest.raises(TypeError, match=r"integer leaves.*Use jaxcomm.value_and_grad"):
+        step_with(jax.value_and_grad)(model, optimizer, x)
+    assert np.isfinite(float(step_with(jaxcomm.value_and_grad)(model, optimizer, x)))
+
+
 def test_refuses_per_device_outputs_that_are_not_scalars():
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
 

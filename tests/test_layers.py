@@ -1,6 +1,7 @@
-"""Layers meet at public names: no module outside ``jaxcomm/collectives/``
-imports a private name of ``jaxcomm.collectives``, and none outside
-``jaxcomm/transforms/`` one of ``jaxcomm.transforms``. Tests may."""
+"""Layers meet at public names: no module outside a layer's package
+(``jaxcomm/collectives/``, ``state/``, ``step/``, ``transforms/``) imports a
+private name of it. Tests may. And each layer imports only the layers below
+it: collectives, then state, then step, then transforms."""
 
 import ast
 import pathlib
@@ -8,7 +9,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ("jaxcomm.collectives", "jaxcomm.transforms")
+LAYERS = ("jaxcomm.collectives", "jaxcomm.state", "jaxcomm.step", "jaxcomm.transforms")
 CHECKED = ("jaxcomm", "bench", "examples")
 
 
@@ -89,6 +90,36 @@ def test_no_private_imports_across_layers(top):
     for path in files:
         found += private_crossings(path.read_text(), *_module_of(path))
     assert not found, "private names imported across layers:\n" + "\n".join(found)
+
+
+def upward_imports(source: str, module: str, package: bool = False) -> list[str]:
+    """Imports, by a module of one layer, of a layer above it in LAYERS."""
+    own = [i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + ".")]
+    if not own:
+        return []
+    found = []
+    for line, name in imported_names(source, module, package):
+        for layer in LAYERS[own[0] + 1 :]:
+            if name == layer or name.startswith(layer + "."):
+                found.append(f"{module}:{line} imports {name}, a layer above it")
+    return found
+
+
+def test_checker_finds_upward_imports():
+    """The checker itself: a lower layer reaching up is caught, reaching down is not."""
+    assert upward_imports("from jaxcomm.transforms import local_params", "jaxcomm.step.grad")
+    assert upward_imports("from jaxcomm import step", "jaxcomm.state.specs")
+    assert upward_imports("def f():\n    import jaxcomm.state", "jaxcomm.collectives.wire")
+    assert not upward_imports("from jaxcomm.state import state_specs", "jaxcomm.step.grad")
+    assert not upward_imports("from jaxcomm.step import grad", "jaxcomm.transforms.diloco")
+    assert not upward_imports("from jaxcomm.transforms import diloco", "jaxcomm.costmodel.plan")
+
+
+def test_layers_import_only_the_layers_below():
+    found = []
+    for path in sorted((ROOT / "jaxcomm").rglob("*.py")):
+        found += upward_imports(path.read_text(), *_module_of(path))
+    assert not found, "imports of a layer above:\n" + "\n".join(found)
 
 
 # Private JAX lives in one module, so that a JAX release that moves a name

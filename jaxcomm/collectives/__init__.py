@@ -25,7 +25,7 @@ from jaxcomm.collectives.reduction import (
     Reduction,
     reduction,
 )
-from jaxcomm.collectives.varying import to_varying
+from jaxcomm.collectives.varying import to_varying, varying_axes
 from jaxcomm.collectives.wire import Wire
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "reset_ffi_stats",
     "set_ffi_timeout",
     "to_varying",
+    "varying_axes",
     "Wire",
     "XlaBackend",
 ]

@@ -91,9 +91,17 @@ def placement(axis_name) -> AxisPlacement:
     return AxisPlacement(axes, shape, size, rank, group, others)
 
 
+def manual_axis_type(x):
+    """The manual-axis type of `x` (a value or an abstract value): which mesh
+    axes it varies over inside shard_map with check_vma; None elsewhere. The
+    one place that reads it, so a JAX rename is one edit."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    return getattr(aval, "manual_axis_type", None)
+
+
 def reduced_type(x, axes: tuple):
     """The manual-axis type of a result that is the same on every device of `axes`."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    mat = manual_axis_type(x)
     if mat is None:
         return None
     return mat.update(varying=mat.varying - frozenset(axes))
@@ -103,5 +111,5 @@ def is_vma_typed(x, axes: tuple) -> bool:
     """True inside shard_map(check_vma=True), where psum's transpose is a
     pvary (no communication); False under pmap / check_vma=False, where it is
     another psum."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    mat = manual_axis_type(x)
     return mat is not None and frozenset(axes) <= mat.varying

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxcomm.collectives import _extension
 from jaxcomm.collectives._axes import AxisPlacement, reduced_type
+from jaxcomm.collectives.varying import varying_axes
 
 
 def _result(x, shape, axes, dtype=None):
@@ -125,8 +126,7 @@ def allreduce_start(
     (xla_ffi/cpu/allreduce_async.cc), so it is typed replicated over every
     axis, even those x varies over beside `place`'s."""
     _extension.require("cpu")
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    every = tuple(mat.varying) if mat is not None else ()
+    every = varying_axes(x)
     call = jax.ffi.ffi_call(
         "jaxcomm_allreduce_start",
         _result(x, (3,), every or place.axes, jnp.int32),

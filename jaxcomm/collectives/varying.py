@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jaxcomm.collectives._axes import normalize, sizes
+from jaxcomm.collectives._axes import manual_axis_type, normalize, sizes
 
 
 def to_varying(tree, axis_name):
@@ -37,10 +37,27 @@ def to_varying(tree, axis_name):
     sizes(axes)  # a clear error where an axis is not bound
 
     def one(x):
-        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+        mat = manual_axis_type(x)
         if mat is None:
             return x
         missing = tuple(a for a in axes if a not in mat.varying)
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, tree)
+
+
+def varying_axes(x) -> tuple:
+    """The mesh axes ``x`` is typed as varying over, sorted; () outside
+    ``shard_map`` with ``check_vma`` (and under ``jax.pmap``).
+
+    Args:
+      x: an array, a tracer or an abstract value (``jax.typeof(x)``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomm.collectives import varying_axes
+      >>> varying_axes(jnp.zeros(3))
+      ()
+    """
+    mat = manual_axis_type(x)
+    return tuple(sorted(mat.varying)) if mat is not None else ()

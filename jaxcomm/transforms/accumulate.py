@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm.collectives import reduction, to_varying
-from jaxcomm.transforms import _state
+from jaxcomm import _validate
+from jaxcomm.collectives import reduction, to_varying, varying_axes
+from jaxcomm.state import per_device
 
 
 class AccumulateState(NamedTuple):
@@ -35,9 +36,6 @@ class AccumulateState(NamedTuple):
     mini_step: jax.Array
     gradient_sum: Any
     inner: Any
-
-
-_state.per_device_fields(AccumulateState, "gradient_sum")
 
 
 def accumulate(
@@ -85,13 +83,13 @@ def accumulate(
     def init(params):
         return AccumulateState(
             mini_step=jnp.zeros([], jnp.int32),
-            gradient_sum=_state.per_device_zeros(params, comm, "gradient sum"),
+            gradient_sum=per_device.per_device_zeros(params, comm, "gradient sum"),
             inner=inner.init(params),
         )
 
     def update(updates, state, params=None):
-        _state.check_same_tree(updates, _state.local(state.gradient_sum), "gradient sum")
-        total = jax.tree.map(jnp.add, _state.local(state.gradient_sum), updates)
+        _validate.check_same_tree(updates, per_device.local(state.gradient_sum), "gradient sum")
+        total = jax.tree.map(jnp.add, per_device.local(state.gradient_sum), updates)
         send_now = state.mini_step == every_k - 1
 
         def send(total, inner_state, params):
@@ -106,7 +104,10 @@ def accumulate(
         # which axes it varies: the union of what each branch gives.
         sent = jax.make_jaxpr(send)(*operands).out_avals
         held = jax.make_jaxpr(hold)(*operands).out_avals
-        vary = [tuple(sorted(set(_vma(a)) | set(_vma(b)))) for a, b in zip(sent, held, strict=True)]
+        vary = [
+            tuple(sorted(set(varying_axes(a)) | set(varying_axes(b))))
+            for a, b in zip(sent, held, strict=True)
+        ]
 
         def typed(branch):
             def run(*args):
@@ -118,15 +119,9 @@ def accumulate(
 
         new_updates, new_inner = lax.cond(send_now, typed(send), typed(hold), *operands)
         kept = jax.tree.map(lambda t: jnp.where(send_now, jnp.zeros_like(t), t), total)
-        new_sum = _state.as_row(to_varying(kept, axes))
+        new_sum = per_device.as_row(to_varying(kept, axes))
         return new_updates, AccumulateState(
             mini_step=(state.mini_step + 1) % every_k, gradient_sum=new_sum, inner=new_inner
         )
 
     return optax.GradientTransformation(init, update)
-
-
-def _vma(aval) -> tuple:
-    """The mesh axes an abstract value is typed as varying over."""
-    mat = getattr(aval, "manual_axis_type", None)
-    return tuple(mat.varying) if mat is not None else ()

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm import _validate
 from jaxcomm._validate import check_bucket_bytes
 from jaxcomm.collectives import reduction
-from jaxcomm.transforms import _state
+from jaxcomm.state import comm_stats, per_device
+from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import reduce_in_buckets
 
 
@@ -35,10 +37,7 @@ class AllReduceGradientsState(NamedTuple):
 
     residual: Any
     buffer: Any
-    stats: _state.CommStats
-
-
-_state.per_device_fields(AllReduceGradientsState, "residual", "buffer")
+    stats: comm_stats.CommStats
 
 
 def allreduce_gradients(
@@ -134,29 +133,33 @@ def allreduce_gradients(
 
     def init(params):
         return AllReduceGradientsState(
-            residual=_state.per_device_zeros(params, comm) if error_feedback else (),
+            residual=per_device.per_device_zeros(params, comm) if error_feedback else (),
             buffer=(
-                _state.per_device_zeros(params, comm, "double buffer") if double_buffering else ()
+                per_device.per_device_zeros(params, comm, "double buffer")
+                if double_buffering
+                else ()
             ),
-            stats=_state.empty_stats(),
+            stats=comm_stats.empty_stats(),
         )
 
     def update(updates, state, params=None):
         del params
         comm.check_dtypes(updates)
         if error_feedback:
-            _state.check_same_tree(updates, _state.local(state.residual), "error-feedback residual")
+            _validate.check_same_tree(
+                updates, per_device.local(state.residual), "error-feedback residual"
+            )
         if double_buffering:
-            _state.check_same_tree(updates, _state.local(state.buffer), "double buffer")
+            _validate.check_same_tree(updates, per_device.local(state.buffer), "double buffer")
         bound = comm.bind()
         bound.check_local(updates)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
-        residual = _state.local(state.residual) if error_feedback else ()
+        residual = per_device.local(state.residual) if error_feedback else ()
         if double_buffering:
             # The previous step's local gradient: nothing this step computes
             # feeds the collective, so it can run under the forward and
             # backward passes.
-            outgoing = _state.local(state.buffer)
+            outgoing = per_device.local(state.buffer)
         else:
             outgoing = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
         leaves, treedef = jax.tree.flatten(outgoing)
@@ -172,7 +175,7 @@ def allreduce_gradients(
             leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering, after=after
         )
         reduced = jax.tree.unflatten(treedef, reduced)
-        nonfinite = _state.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
+        nonfinite = comm_stats.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
         if error_feedback:
             # What the cast of `outgoing` dropped, unless the reduction came
@@ -185,11 +188,11 @@ def allreduce_gradients(
         buffer = state.buffer
         if double_buffering:
             buffer = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
-            buffer = _state.as_row(buffer)
+            buffer = per_device.as_row(buffer)
         if error_feedback:
-            residual = _state.as_row(residual)
+            residual = per_device.as_row(residual)
 
-        stats = _state.CommStats(
+        stats = comm_stats.CommStats(
             payload_bytes=jnp.float32(payload),
             bytes_sent=bound.bytes_sent(payload),
             collectives=jnp.int32(count),
@@ -198,4 +201,4 @@ def allreduce_gradients(
         )
         return reduced, AllReduceGradientsState(residual, buffer, stats)
 
-    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))

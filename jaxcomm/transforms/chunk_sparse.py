@@ -22,8 +22,9 @@ import numpy as np
 import optax
 
 from jaxcomm import _flat, _validate
-from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, reduction
-from jaxcomm.transforms import _state
+from jaxcomm.collectives import DEFAULT_CHUNK_SIZE, reduction, varying_axes
+from jaxcomm.state import comm_stats, per_device
+from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import reduce_in_buckets
 
 
@@ -39,13 +40,10 @@ class ChunkSparseState(NamedTuple):
     """
 
     inner: Any
-    residual: _state.PerDevice
+    residual: per_device.PerDevice
     mask: jax.Array
     count: jax.Array
-    stats: _state.CommStats
-
-
-_state.per_device_fields(ChunkSparseState, "residual")
+    stats: comm_stats.CommStats
 
 
 def chunk_sparse(
@@ -166,7 +164,7 @@ def chunk_sparse(
         return ChunkSparseState(
             inner=inner.init(params),
             residual=_per_shard(
-                _state.per_device_zeros(
+                per_device.per_device_zeros(
                     jax.ShapeDtypeStruct((*shards, layout.size), _pool_dtype(pool_leaves)),
                     exchange,
                 ),
@@ -175,7 +173,7 @@ def chunk_sparse(
             # An empty gradient keeps a one-chunk mask, which it never sends.
             mask=_placed(jnp.ones((*shards, max(layout.nchunks, 1)), jnp.bool_), others),
             count=jnp.int32(0),
-            stats=_state.empty_stats(),
+            stats=comm_stats.empty_stats(),
         )
 
     def update(updates, state, params=None):
@@ -195,7 +193,7 @@ def chunk_sparse(
         old_residual = state.residual.value
 
         g = bound.pool(
-            _pool_parts(leaves, _pool_dtype(leaves)), _state.local(state.residual).reshape(-1)
+            _pool_parts(leaves, _pool_dtype(leaves)), per_device.local(state.residual).reshape(-1)
         )
         elem_mask = layout.elements(mask)
         # Important chunks averaged (the same on every device), zeros elsewhere.
@@ -218,7 +216,9 @@ def chunk_sparse(
         # their own: no pass over the pool (XLA CPU made sum(x * 0) a dot
         # against a materialised pool of zeros). A sharded model's shards
         # agree on it (one scalar over the other axes).
-        nonfinite = _state.agreed_any(~jnp.all(jnp.isfinite(norms)) | _state.any_nonfinite(reduced))
+        nonfinite = comm_stats.agreed_any(
+            ~jnp.all(jnp.isfinite(norms)) | comm_stats.any_nonfinite(reduced)
+        )
         grads = _merge(_from_pool(exchanged, leaves), reduced, pooled)
         masks = _merge(
             _from_pool(elem_mask, leaves), [jnp.ones(jnp.shape(x), bool) for x in dense], pooled
@@ -238,13 +238,13 @@ def chunk_sparse(
         payload = payload + norm_payload + dense_payload
         # Of a sharded model, the mean over its shards (each has its mask).
         others = bound.place.others
-        payload = _state.agreed_mean(payload.astype(jnp.float32), others)
+        payload = comm_stats.agreed_mean(payload.astype(jnp.float32), others)
         selected = layout.selected_elements(mask) + dense_size
-        stats = _state.CommStats(
+        stats = comm_stats.CommStats(
             payload_bytes=payload,
             bytes_sent=bound.bytes_sent(payload),
             collectives=jnp.int32(2 + dense_count),
-            density=_state.agreed_mean(selected / np.float32(size + dense_size), others),
+            density=comm_stats.agreed_mean(selected / np.float32(size + dense_size), others),
             nonfinite=nonfinite,
         )
 
@@ -253,14 +253,14 @@ def chunk_sparse(
         )
         new = ChunkSparseState(
             inner=inner_state,
-            residual=_state.PerDevice(residual),
+            residual=per_device.PerDevice(residual),
             mask=_unless(nonfinite, next_mask.reshape(state.mask.shape), state.mask),
             count=_unless(nonfinite, state.count + 1, state.count),
             stats=stats,
         )
         return upd, new
 
-    return optax.GradientTransformation(init, _state.in_shards(update, exchange.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, exchange.axes))
 
 
 def _pooled(leaves, others: tuple) -> list[bool]:
@@ -273,7 +273,7 @@ def _pooled(leaves, others: tuple) -> list[bool]:
     shard's mask sends it and not where another's does."""
     if not others:
         return [True] * len(leaves)
-    out = [set(others) <= set(_state.varying_axes(x)) for x in leaves]
+    out = [set(others) <= set(varying_axes(x)) for x in leaves]
     # A model whole on every device of the other axes, or untyped (pmap,
     # check_vma=False): pooled whole, as init does.
     return out if any(out) else [True] * len(leaves)
@@ -289,7 +289,7 @@ def _pooled_at_init(leaves, axes: tuple) -> tuple[list[bool], tuple]:
         return [True] * len(leaves), ()
     flags = []
     for x in leaves:
-        named = {a for e in _state.placed_spec(x) or () for a in _state.spec_axes(e)}
+        named = {a for e in per_device.placed_spec(x) or () for a in per_device.spec_axes(e)}
         flags.append(set(others) <= named)
     if not any(flags):  # a model replicated over every axis: pooled whole, as before
         return [True] * len(leaves), ()
@@ -306,24 +306,24 @@ def _local_size(x, others: tuple) -> int:
     if not others:
         return int(np.size(x))
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
-    split = [a for e in _state.placed_spec(x) or () for a in _state.spec_axes(e)]
+    split = [a for e in per_device.placed_spec(x) or () for a in per_device.spec_axes(e)]
     return int(np.size(x)) // math.prod(mesh[a] for a in split)
 
 
 def _placed(x, others: tuple):
     """`x` (rows over the shards first) split over `others` where init runs
     under a mesh."""
-    return _state.place(x, jax.sharding.PartitionSpec(others)) if others else x
+    return per_device.place(x, jax.sharding.PartitionSpec(others)) if others else x
 
 
-def _per_shard(residual: _state.PerDevice, others: tuple) -> _state.PerDevice:
+def _per_shard(residual: per_device.PerDevice, others: tuple) -> per_device.PerDevice:
     """A PerDevice pool with rows over the shards after the device rows,
     split over `others` too."""
     x = residual.value
-    rows = _state.placed_spec(x)
+    rows = per_device.placed_spec(x)
     if not others or rows is None:  # inside a trace, or without a mesh
         return residual
-    return _state.PerDevice(_state.place(x, jax.sharding.PartitionSpec(rows[0], others)))
+    return per_device.PerDevice(per_device.place(x, jax.sharding.PartitionSpec(rows[0], others)))
 
 
 def _merge(pooled_leaves, dense_leaves, pooled) -> list:
@@ -339,7 +339,7 @@ def _check_pool_size(updates, size: int, state: ChunkSparseState, params) -> Non
     if size == pool:
         return
     if params is not None:
-        _state.check_same_tree(updates, params, "params")
+        _validate.check_same_tree(updates, params, "params")
     raise ValueError(
         f"the gradient has {size} elements, the optimizer state was built for params with "
         f"{pool}: the gradient's tree must be that of those params"

@@ -33,10 +33,10 @@ from jaxcomm._sync_schedule import (
     sync_offsets,
     syncs,
 )
-from jaxcomm.collectives import reduction, to_varying
-from jaxcomm.transforms import _state
+from jaxcomm.collectives import reduction, to_varying, varying_axes
+from jaxcomm.state import comm_stats, per_device
+from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
-from jaxcomm.transforms.local_params import holds_local_params
 from jaxcomm.transforms.sparseloco import SparseOuter
 
 
@@ -44,7 +44,7 @@ class DiLoCoState(NamedTuple):
     """State of :func:`diloco`.
 
     Attributes:
-      local: ``PerDevice`` params of each device (what its inner steps moved).
+      local: ``LocalParams`` (a ``PerDevice``) params of each device (what its inner steps moved).
       inner: ``PerDevice`` state of the inner optimizer on each device.
       outer: one outer optimizer state per fragment (the same on every
         device), over that fragment's leaves as a list.
@@ -65,18 +65,14 @@ class DiLoCoState(NamedTuple):
         does not have (a state restored mid-delay); ``()`` otherwise.
     """
 
-    local: _state.PerDevice
-    inner: _state.PerDevice
+    local: per_device.LocalParams
+    inner: per_device.PerDevice
     outer: tuple
     count: jax.Array
-    stats: _state.CommStats
+    stats: comm_stats.CommStats
     pending: tuple = ()
-    error: _state.PerDevice = _state.PerDevice(())
-    kept: _state.PerDevice = _state.PerDevice(())
-
-
-_state.per_device_fields(DiLoCoState, "local", "inner", "error", "kept")
-holds_local_params(DiLoCoState, "diloco")
+    error: per_device.PerDevice = per_device.PerDevice(())
+    kept: per_device.PerDevice = per_device.PerDevice(())
 
 
 def diloco(
@@ -237,18 +233,18 @@ def diloco(
         parts = [list(leaves[a:b]) for a, b in spans]
         error = rule.init_error(parts, comm)
         return DiLoCoState(
-            local=_state.per_device_copies(params, comm),
-            inner=_state.per_device_copies(inner.init(params), comm),
+            local=per_device.LocalParams(per_device.per_device_copies(params, comm).value),
+            inner=per_device.per_device_copies(inner.init(params), comm),
             outer=tuple(rule.init(part) for part in parts),
             count=jnp.int32(0),
-            stats=_state.empty_stats(),
+            stats=comm_stats.empty_stats(),
             # Replicated like the params (zeros_like keeps their placement).
             pending=_pending(parts, delay, overlapped()),
             error=error,
             kept=(
-                _state.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
+                per_device.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
                 if overlapped()
-                else _state.PerDevice(())
+                else per_device.PerDevice(())
             ),
         )
 
@@ -262,18 +258,18 @@ def diloco(
         comm.check_dtypes(anchor, "param leaf")
         bound = comm.bind()
         _check_local_grads(bound, updates)
-        local = _state.local(state.local)
-        step, inner_state = inner.update(updates, _state.local(state.inner), local)
+        local = per_device.local(state.local)
+        step, inner_state = inner.update(updates, per_device.local(state.inner), local)
         local = treedef.flatten_up_to(optax.apply_updates(local, step))
 
         sizes = [int(np.size(x)) for x in anchor]
         spans = plan_fragments(sizes, fragments)
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
-        errors = _state.local(state.error) if state.error.value else (None,) * len(spans)
+        errors = per_device.local(state.error) if state.error.value else (None,) * len(spans)
         started = overlapped()
         send = _start if started else _send
         land = _finish if started else _land
-        kept = _state.local(state.kept) if started else (None,) * len(spans)
+        kept = per_device.local(state.kept) if started else (None,) * len(spans)
         out, outer_states, new_errors, pending, new_kept = [], [], [], [], []
         sent, wire, elements, collectives = [], [], [], []
         rows = [None] * len(local)
@@ -341,7 +337,7 @@ def diloco(
             elements.append(jnp.where(due, n, 0))
             nonfinite = nonfinite | bad
 
-        stats = _state.CommStats(
+        stats = comm_stats.CommStats(
             payload_bytes=jnp.asarray(sum(sent), jnp.float32),
             bytes_sent=jnp.asarray(sum(wire), jnp.float32),
             collectives=jnp.asarray(sum(collectives), jnp.int32),
@@ -349,18 +345,18 @@ def diloco(
             nonfinite=nonfinite,
         )
         new = DiLoCoState(
-            local=_state.PerDevice(treedef.unflatten(rows)),
-            inner=_state.as_row(inner_state),
+            local=per_device.LocalParams(treedef.unflatten(rows)),
+            inner=per_device.as_row(inner_state),
             outer=tuple(outer_states),
             count=state.count + 1,
             stats=stats,
             pending=tuple(pending),
-            error=_state.as_row(tuple(new_errors)) if state.error.value else state.error,
-            kept=_state.as_row(tuple(new_kept)) if started else state.kept,
+            error=per_device.as_row(tuple(new_errors)) if state.error.value else state.error,
+            kept=per_device.as_row(tuple(new_kept)) if started else state.kept,
         )
         return treedef.unflatten(out), new
 
-    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))
 
 
 class _OptaxOuter:
@@ -378,8 +374,10 @@ class _OptaxOuter:
     def init_error(self, parts, comm):
         """Per fragment, per device: what the wire dropped at its last sync."""
         if not self.error_feedback:
-            return _state.PerDevice(())
-        return _state.per_device_zeros(tuple(list(part) for part in parts), comm, "error feedback")
+            return per_device.PerDevice(())
+        return per_device.per_device_zeros(
+            tuple(list(part) for part in parts), comm, "error feedback"
+        )
 
     def outgoing(self, anchor, local, error, bound):
         """What this device sends: params - local, plus what the wire dropped
@@ -389,7 +387,7 @@ class _OptaxOuter:
         if error is None:
             return delta, None
         sent = [d + e for d, e in zip(delta, error, strict=True)]
-        bad = _state.any_nonfinite(sent)
+        bad = comm_stats.any_nonfinite(sent)
         return sent, [
             jnp.where(bad, e, bound.cast_error(x)) for x, e in zip(sent, error, strict=True)
         ]
@@ -417,7 +415,7 @@ def _sync(operands, bound, rule, theta):
     anchor, local, outer_state, error = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
     u, outer_state = rule.step(mean, outer_state, anchor)
-    return _pack(u), outer_state, error, _state.any_nonfinite(mean)
+    return _pack(u), outer_state, error, comm_stats.any_nonfinite(mean)
 
 
 def _skip(operands):
@@ -431,7 +429,7 @@ def _send(operands, bound, rule, theta):
     """A delayed sync: the averaged pseudo-gradient, kept until it lands."""
     anchor, local, error, _, kept = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
-    return list(mean), error, kept, _state.any_nonfinite(mean)
+    return list(mean), error, kept, comm_stats.any_nonfinite(mean)
 
 
 def _start(operands, bound, rule, theta):
@@ -490,7 +488,7 @@ def _finish(operands, bound, rule):
         )
     mean = _unpack(done, anchor)
     u, outer_state = rule.step(mean, outer_state, anchor)
-    return _pack(u), outer_state, _state.any_nonfinite(mean)
+    return _pack(u), outer_state, comm_stats.any_nonfinite(mean)
 
 
 def _no_landing(operands):
@@ -521,7 +519,7 @@ def _group(x) -> tuple:
     """What leaves packed together share: the dtype, and the mesh axes the
     value is typed as varying over (a sharded model's shards differ over
     "fsdp", its replicated leaves do not: packed apart, each keeps its type)."""
-    return jnp.result_type(x), _state.varying_axes(x)
+    return jnp.result_type(x), varying_axes(x)
 
 
 def _groups(leaves) -> list:

@@ -22,16 +22,16 @@ import optax
 
 from jaxcomm import _validate
 from jaxcomm.collectives import reduction
-from jaxcomm.transforms import _state
+from jaxcomm.state import per_device
+from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms.allreduce_gradients import allreduce_gradients
-from jaxcomm.transforms.local_params import holds_local_params
 
 
 class DoubleBufferedState(NamedTuple):
     """State of :func:`double_buffered`.
 
     Attributes:
-      local: ``PerDevice`` params at which each device takes its next
+      local: ``LocalParams`` (a ``PerDevice``) params at which each device takes its next
         gradient (:func:`jaxcomm.local_params`).
       inner: the inner optimizer's state, the same on every device (it has
         seen the mean gradients up to the previous step).
@@ -40,14 +40,10 @@ class DoubleBufferedState(NamedTuple):
       count: int32, steps taken.
     """
 
-    local: _state.PerDevice
+    local: per_device.LocalParams
     inner: Any
     reduce: Any
     count: jax.Array
-
-
-_state.per_device_fields(DoubleBufferedState, "local")
-holds_local_params(DoubleBufferedState, "double_buffered")
 
 
 def double_buffered(
@@ -140,7 +136,9 @@ def double_buffered(
 
     def init(params):
         return DoubleBufferedState(
-            local=_state.per_device_copies(params, comm, "local params"),
+            local=per_device.LocalParams(
+                per_device.per_device_copies(params, comm, "local params").value
+            ),
             inner=inner.init(params),
             reduce=exchange.init(params),
             count=jnp.int32(0),
@@ -165,11 +163,11 @@ def double_buffered(
         ahead, _ = inner.update(grads, inner_state, synced)
         local = optax.apply_updates(synced, ahead)
         new = DoubleBufferedState(
-            local=_state.as_row(local),
+            local=per_device.LocalParams(per_device.as_row(local).value),
             inner=inner_state,
             reduce=reduce_state,
             count=state.count + 1,
         )
         return u, new
 
-    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))

@@ -7,20 +7,35 @@ gradient must be taken at; this reads them out of any optimizer state.
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.transforms import _state
-
-# The state types that keep a ``local`` PerDevice copy of the params, and
-# the name of the transform each belongs to (for errors).
-_HOLDERS: dict[type, str] = {}
+from jaxcomm.state.per_device import LocalParams, local
 
 
-def holds_local_params(state_type, transform: str) -> None:
-    """Records that ``state_type`` (the NamedTuple state of ``transform``)
-    keeps ``local``: PerDevice params."""
-    _HOLDERS[state_type] = transform
+def _holds(x) -> bool:
+    """A NamedTuple state with a :class:`LocalParams` field: the mark is the
+    field's type, so any state that declares one is found, with no table."""
+    return (
+        isinstance(x, tuple)
+        and hasattr(x, "_fields")
+        and any(isinstance(v, LocalParams) for v in x)
+    )
+
+
+def _transform(state_type) -> str:
+    """The transform a state type belongs to: its module, one per transform."""
+    return state_type.__module__.rsplit(".", 1)[-1]
+
+
+def _holder_names() -> list[str]:
+    """The transforms whose public state type declares a LocalParams field."""
+    from jaxcomm import transforms
+
+    types = (t for t in vars(transforms).values() if isinstance(t, type) and hasattr(t, "_fields"))
+    return [_transform(t) for t in types if LocalParams in typing.get_type_hints(t).values()]
 
 
 def local_params(opt_state, like=None):
@@ -40,27 +55,23 @@ def local_params(opt_state, like=None):
         ``nnx.state(model, nnx.Param)``); the values come back in it, so
         ``nnx.merge`` takes them as the model's params.
     """
-    holders = tuple(_HOLDERS)
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, holders))
-        if isinstance(s, holders)
-    ]
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_holds) if _holds(s)]
     if len(found) != 1:
         raise ValueError(
-            f"expected one {' or '.join(_HOLDERS.values())} state in the state, found {len(found)}"
+            f"expected one {' or '.join(_holder_names())} state in the state, found {len(found)}"
         )
-    rows = {jnp.shape(x)[0] for x in jax.tree.leaves(found[0].local.value)}
+    held = next(v for v in found[0] if isinstance(v, LocalParams))
+    rows = {jnp.shape(x)[0] for x in jax.tree.leaves(held.value)}
     if rows - {1}:
         raise ValueError(
             f"local_params reads this device's row, but the state holds {max(rows)} rows: "
             "call it inside jax.shard_map / jax.pmap, where each device sees its own"
         )
-    local = _state.local(found[0].local)
+    params = local(held)
     if like is None:
-        return local
-    kind = _HOLDERS[type(found[0])] + " state"
-    values, want = jax.tree.leaves(local), jax.tree.structure(like)
+        return params
+    kind = _transform(type(found[0])) + " state"
+    values, want = jax.tree.leaves(params), jax.tree.structure(like)
     if len(values) != want.num_leaves:
         raise ValueError(
             f"local_params: like has {want.num_leaves} leaves but the {kind} holds "

@@ -21,8 +21,9 @@ import numpy as np
 import optax
 
 from jaxcomm import _flat, _validate
-from jaxcomm.collectives import reduction
-from jaxcomm.transforms import _state
+from jaxcomm.collectives import reduction, varying_axes
+from jaxcomm.state import comm_stats, per_device
+from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import reduce_in_buckets
 
 # PowerSGD's small products decide what is sent: keep them in full float32 on
@@ -49,10 +50,7 @@ class PowerSGDState(NamedTuple):
     residual: Any
     q: Any
     count: jax.Array
-    stats: _state.CommStats
-
-
-_state.per_device_fields(PowerSGDState, "residual")
+    stats: comm_stats.CommStats
 
 
 class _Matrix(NamedTuple):
@@ -198,12 +196,14 @@ def powersgd(
             )
         residual = ()
         if error_feedback:
-            residual = _state.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
+            residual = per_device.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
         q = ()
         if warm_start:
             q = _draw(seed, 0, mats, _factor_dtype(leaves, mats))
             q = tuple(_place_q(x, m) for x, m in zip(q, mats, strict=True))
-        return PowerSGDState(residual=residual, q=q, count=jnp.int32(0), stats=_state.empty_stats())
+        return PowerSGDState(
+            residual=residual, q=q, count=jnp.int32(0), stats=comm_stats.empty_stats()
+        )
 
     def update(updates, state, params=None):
         del params
@@ -213,7 +213,7 @@ def powersgd(
         bound.check_local(updates)
         mats = matrices(updates, leaves)
         dtype = _factor_dtype(leaves, mats)
-        residual = _state.local(state.residual) if error_feedback else ()
+        residual = per_device.local(state.residual) if error_feedback else ()
 
         def dense_step():
             reduced, payload, count = _mean_in_buckets(leaves, range(len(leaves)), bound)
@@ -237,12 +237,12 @@ def powersgd(
             branch = jax.lax.cond(state.count < start_step, dense_step, compressed_step)
         out, new_residual, q, payload, count = branch
         out = jax.tree.unflatten(treedef, out)
-        nonfinite = _state.any_nonfinite(out)
+        nonfinite = comm_stats.any_nonfinite(out)
 
         dense_payload = sum(
             bound.payload_bytes(int(np.size(x)), jnp.result_type(x)) for x in leaves
         )
-        stats = _state.CommStats(
+        stats = comm_stats.CommStats(
             payload_bytes=payload,
             bytes_sent=bound.bytes_sent(payload),
             collectives=jnp.int32(count),
@@ -250,7 +250,7 @@ def powersgd(
             nonfinite=nonfinite,
         )
         new = PowerSGDState(
-            residual=_state.as_row(new_residual) if error_feedback else (),
+            residual=per_device.as_row(new_residual) if error_feedback else (),
             q=q,
             count=state.count + 1,
             stats=stats,
@@ -261,7 +261,7 @@ def powersgd(
         new = jax.tree.map(lambda a, b: jnp.where(nonfinite, a, b), kept, new)
         return out, new
 
-    return optax.GradientTransformation(init, _state.in_shards(update, comm.axes))
+    return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))
 
 
 def _check_options(rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask):
@@ -340,7 +340,7 @@ def _vary_like(new, old):
     """`new` typed as varying over every axis its counterpart in `old` varies over."""
 
     def one(x, like):
-        missing = tuple(sorted(set(_state.varying_axes(like)) - set(_state.varying_axes(x))))
+        missing = tuple(sorted(set(varying_axes(like)) - set(varying_axes(x))))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, new, old)
@@ -348,8 +348,8 @@ def _vary_like(new, old):
 
 def _layout(x) -> tuple:
     """(whole shape, mesh axes of each dimension) of a param as placed."""
-    spec = _state.placed_spec(x) or (None,) * len(np.shape(x))
-    return tuple(np.shape(x)), tuple(_state.spec_axes(e) for e in spec)
+    spec = per_device.placed_spec(x) or (None,) * len(np.shape(x))
+    return tuple(np.shape(x)), tuple(per_device.spec_axes(e) for e in spec)
 
 
 def _matrices(
@@ -464,7 +464,7 @@ def _warn_nothing_compressed(params, layout, allowed, mask, rank, rate: float) -
 def _place_q(q, m: _Matrix):
     """A warm-start Q of `m`, split over the mesh axes of m's columns where
     init runs under a mesh (its rows are the matrix's columns)."""
-    return _state.place(q, jax.sharding.PartitionSpec(m.col_axes)) if m.col_axes else q
+    return per_device.place(q, jax.sharding.PartitionSpec(m.col_axes)) if m.col_axes else q
 
 
 def _block(x, axes: tuple, size: int):

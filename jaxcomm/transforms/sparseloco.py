@@ -18,8 +18,8 @@ import numpy as np
 import optax
 
 from jaxcomm import _validate
-from jaxcomm.collectives import to_varying
-from jaxcomm.transforms import _state
+from jaxcomm.collectives import to_varying, varying_axes
+from jaxcomm.state import per_device
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
 
 INDEX_BYTES = 2  # a position within a chunk, as uint16: chunk_size <= 65536
@@ -97,7 +97,7 @@ class SparseOuter:
 
     def init_error(self, parts, comm):
         zeros = tuple([jnp.zeros(jnp.shape(x), jnp.float32) for x in part] for part in parts)
-        return _state.per_device_copies(zeros, comm, "error feedback", like=tuple(parts))
+        return per_device.per_device_copies(zeros, comm, "error feedback", like=tuple(parts))
 
     def step(self, mean, outer_state, anchor):
         del anchor
@@ -133,7 +133,7 @@ class SparseOuter:
             buckets = leaf_buckets(dense, theta)
             payload = buckets_payload(dense, buckets, bound)
             return payload, bound.bytes_sent(payload), len(buckets), sent
-        groups = {_state.varying_axes(x) for x in anchor}
+        groups = {varying_axes(x) for x in anchor}
         payload = self.payload(sizes)
         return payload, (bound.size - 1) * payload, len(groups), sent
 
@@ -189,7 +189,7 @@ class SparseOuter:
         levels = 2**self.value_bits - 1
         groups: dict = {}
         for i, x in enumerate(acc):
-            groups.setdefault(_state.varying_axes(x), []).append(i)
+            groups.setdefault(varying_axes(x), []).append(i)
         mean = [None] * len(acc)
         for key, indices in groups.items():
             blob = jnp.concatenate(
@@ -198,7 +198,7 @@ class SparseOuter:
             )
             axes = bound.reduction.axes
             # Typed as the same on every device where types say so (shard_map).
-            typed = set(axes) <= set(_state.varying_axes(blob))
+            typed = set(axes) <= set(varying_axes(blob))
             to = "invarying" if typed else "varying"
             gathered = jax.lax.all_gather(blob, axes, tiled=False, to=to)
             shapes = [

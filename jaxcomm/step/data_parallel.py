@@ -28,7 +28,6 @@ Derivations and the choices' reasons: docs/dropin.md.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 
 import jax
@@ -36,31 +35,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.transforms._state import (
-    _is_nnx_object,
-    placed_spec,
-    spec_axes,
-    state_specs,
-    varying_axes,
-)
-
-# The data axis of the step being traced, if any: the default axis_name of
-# jaxcomm.value_and_grad and jaxcomm.grad inside it.
-_STEP_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_step_axis", default=None)
-
-
-def current_axis():
-    """The data axis of the :func:`data_parallel` step being traced, or None."""
-    return _STEP_AXIS.get()
-
-
-@contextlib.contextmanager
-def _step_axis(axis_name):
-    token = _STEP_AXIS.set(axis_name)
-    try:
-        yield
-    finally:
-        _STEP_AXIS.reset(token)
+from jaxcomm.collectives import varying_axes
+from jaxcomm.state import is_nnx_object, placed_spec, spec_axes, state_specs
+from jaxcomm.step.axis import step_axis
 
 
 def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
@@ -107,7 +84,7 @@ def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
     @functools.wraps(fun)
     def step(*args):
         on = _mesh(mesh, args, axis_name)
-        nodes = tuple(i for i, a in enumerate(args) if _is_nnx_object(a))
+        nodes = tuple(i for i, a in enumerate(args) if is_nnx_object(a))
         graphdef, state = _split(tuple(args[i] for i in nodes))
         rest = tuple(a for i, a in enumerate(args) if i not in nodes)
         in_specs = (
@@ -139,8 +116,8 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         args, others = [], iter(_device_keys(rest, in_specs[1], axis))
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
-        with _step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
-            out = fun(*args)
+        with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
+            out = _run(fun, args)
         new_graphdef, new_state = _split(objects)
         if new_graphdef != graphdef:
             raise ValueError(
@@ -168,6 +145,23 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
     )
 
 
+def _run(fun, args):
+    """The user's step, with JAX's error for differentiating integers (an NNX
+    module's RNG keys under ``jax.grad``) said in terms of the fix."""
+    try:
+        return fun(*args)
+    except TypeError as e:
+        if "grad requires real- or complex-valued inputs" not in str(e):
+            raise
+        raise TypeError(
+            "jaxcomm.data_parallel: the step differentiates integer leaves (an NNX model's "
+            "RNG keys or counts, e.g. with Dropout): jax.value_and_grad and jax.grad take "
+            "the gradient of every leaf of their argument. Use jaxcomm.value_and_grad"
+            "(loss_fn)(model) (or jaxcomm.grad), which differentiates the model's nnx.Param "
+            "only, as nnx.value_and_grad does, and leaves the reduction to jaxcomm"
+        ) from e
+
+
 def _placed(tree, specs, mesh):
     """`tree` with the leaves not yet on a mesh put there by their specs (on
     the first step; its outputs come back placed)."""
@@ -187,7 +181,7 @@ def _outputs(out, axis):
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     leaves = []
     for (path, x), spec in zip(flat, spec_leaves, strict=True):
-        if _is_nnx_object(x):
+        if is_nnx_object(x):
             raise TypeError(
                 f"jaxcomm.data_parallel: output{jax.tree_util.keystr(path)} is an NNX object; "
                 "pass it as an argument (it is updated in place) instead of returning it"

@@ -1,7 +1,7 @@
 """``value_and_grad`` and ``grad`` for jaxcomm steps, Flax NNX modules included.
 
 A jaxcomm transform wants each device's own gradient (see
-:mod:`jaxcomm.local_grad`). For plain functions of arrays these are
+:mod:`jaxcomm.step.local_grad`). For plain functions of arrays these are
 :func:`jaxcomm.local_value_and_grad` and :func:`jaxcomm.local_grad`. A Flax
 NNX module is differentiated with ``nnx.value_and_grad``, which also carries
 the module's other state out of the trace (BatchNorm statistics, RNG
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxcomm.collectives import to_varying
-from jaxcomm.local_grad import local_grad, local_value_and_grad
-from jaxcomm.transforms.data_parallel import current_axis
+from jaxcomm.step.axis import current_axis
+from jaxcomm.step.local_grad import local_grad, local_value_and_grad
 
 
 def value_and_grad(

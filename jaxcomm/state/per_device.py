@@ -1,0 +1,152 @@
+"""Per-device state: the subtrees that differ device by device, and their placement.
+
+Most of a transform's state is the same on every device (reduced gradients,
+chunk masks, counters). Residuals are not: they hold what *this* device has
+not sent yet. Such leaves are wrapped in :class:`PerDevice` and carry a
+leading axis with one row per device, so that under ``shard_map`` they are
+ordinary arrays sharded over the reduction axes (see
+:func:`jaxcomm.state_specs`), and a checkpoint holds every device's residual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.collectives import Reduction
+
+
+class PerDevice(NamedTuple):
+    """A subtree whose leaves differ per device; each has a leading device axis.
+
+    The mark is the field's own name, which shows in every key path: Flax NNX
+    state (``nnx.state(optimizer)``) drops the NamedTuple types and keeps
+    only names, and a name no user gives a param still says "per device"
+    there, with no table of which fields of which state are per device.
+    ``.value`` reads the subtree.
+    """
+
+    jaxcomm_per_device: Any
+
+    @property
+    def value(self) -> Any:
+        return self.jaxcomm_per_device
+
+
+class LocalParams(PerDevice):
+    """The :class:`PerDevice` params a device takes its gradient at (diloco's
+    and double_buffered's ``local``), which :func:`jaxcomm.local_params` reads."""
+
+    __slots__ = ()
+
+
+# The name that marks a per-device subtree in any key path, typed or not.
+MARK = PerDevice._fields[0]
+
+
+def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
+    """(rows a PerDevice leaf gets at init, whether `comm`'s axes are bound here).
+
+    Inside shard_map or pmap each device builds its own row; outside, the
+    active mesh (``jax.set_mesh``) says how many devices there are. `what`
+    names the per-device state in the error raised without either.
+    """
+    axes = comm.axes
+    if comm.is_bound():
+        return 1, True
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    missing = [a for a in axes if a not in sizes]
+    if sizes:  # under set_mesh, shard_map or pmap (whose axes make a mesh too)
+        comm.check_bound(mesh=True)
+    if missing:
+        raise ValueError(
+            f"this transform keeps a per-device {what}, so init needs the size of axes "
+            f"{missing}: call init inside jax.shard_map / jax.pmap, or under "
+            "`with jax.set_mesh(mesh):`"
+        )
+    return math.prod(sizes[a] for a in axes), False
+
+
+def per_device_zeros(tree, comm: Reduction, what: str = "residual") -> PerDevice:
+    """Zeros shaped like `tree`'s leaves, with one leading row per device of
+    `comm`, placed as :func:`per_device_copies` places them."""
+    zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+    return per_device_copies(zeros, comm, what, like=tree)
+
+
+def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) -> PerDevice:
+    """`tree`'s leaves repeated in one leading row per device of `comm`.
+
+    Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
+    with its rows split over `comm`'s axes and its other dimensions as the
+    corresponding leaf of `like` (default `tree`) is placed: a residual of a
+    parameter sharded over ``"fsdp"`` is sharded over ``"fsdp"`` too. That
+    is what :func:`jaxcomm.state_specs` reads, so the state enters
+    ``shard_map`` as it is.
+    """
+    if not jax.tree.leaves(tree):
+        return PerDevice(tree)
+    rows, bound = devices_on(comm, what)
+    row = comm.axes[0] if len(comm.axes) == 1 else tuple(comm.axes)
+
+    def copies(x, model):
+        r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
+        return r if bound else place(r, P(row, *(placed_spec(model) or ())))
+
+    return PerDevice(jax.tree.map(copies, tree, tree if like is None else like))
+
+
+def local(per_device: PerDevice):
+    """This device's row of a PerDevice subtree (inside shard_map / pmap)."""
+    return jax.tree.map(lambda x: x[0], per_device.value)
+
+
+def as_row(tree) -> PerDevice:
+    return PerDevice(jax.tree.map(lambda x: x[None], tree))
+
+
+def placed_spec(x) -> tuple | None:
+    """The PartitionSpec `x` is placed with, one entry per dimension, where it
+    lies on a mesh (a ``NamedSharding``); else None."""
+    if isinstance(x, jax.core.Tracer):  # inside a trace: shards, placed by the caller
+        return None
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (len(jnp.shape(x)) - len(spec))
+
+
+def place(x, spec: P):
+    """`x` placed with `spec` on the mesh of ``jax.set_mesh``, where init
+    runs under one; as it is inside a trace (its caller places it) or
+    without a mesh."""
+    if isinstance(x, jax.core.Tracer):
+        return x
+    mesh = jax.sharding.get_mesh()
+    return x if mesh.empty else jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def spec_axes(entry) -> tuple:
+    """The mesh axes one entry of a PartitionSpec names: (), (a,) or the tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def trimmed(*entries) -> P:
+    """P(*entries) without trailing Nones, as specs are written."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def only(spec: P, axes: set) -> P:
+    """`spec` naming only `axes` (the others left to XLA)."""
+    kept = [tuple(a for a in spec_axes(e) if a in axes) for e in spec]
+    return trimmed(*[(k[0] if len(k) == 1 else k) if k else None for k in kept])
