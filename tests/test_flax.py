@@ -237,6 +237,39 @@ def test_nnx_optimizer_with_every_option_in_shard_map(config):
         assert float(stats.density) < 1
 
 
+AT_LOCAL = [c for c in FLAT if c.gradient_at_local_params]
+
+
+@pytest.mark.parametrize("config", AT_LOCAL, ids=ids(AT_LOCAL))
+def test_data_parallel_takes_the_gradient_at_each_devices_params(config):
+    """A jit-style step under data_parallel, jaxcomm.value_and_grad at the
+    model as every jit program writes it: the gradient is taken at
+    local_params (what diloco and double_buffered require), so the run equals
+    the plain-optax run that takes it there by hand."""
+    mesh = jax.make_mesh((N,), ("data",))
+    model = NnxMLP(nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        optimizer = nnx.Optimizer(model, config.make(), wrt=nnx.Param)
+
+    @jaxcomm.data_parallel
+    def step(model, optimizer, x, y):
+        def loss(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        value, grads = jaxcomm.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    with jax.set_mesh(mesh):
+        for x, y in _batches(mesh):
+            jax.block_until_ready(step(model, optimizer, x, y))
+    ours = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    want = _nnx_functional(config.name)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _linen_shard_map_run(tx):
     mesh = jax.make_mesh((N,), ("data",))
     model = LinenMLP()

@@ -4,10 +4,11 @@ Below the transforms: a step wrapper (:func:`data_parallel`, a replacement for
 ``jit``), the gradient functions that leave the reduction to a jaxcomm
 transform (:func:`value_and_grad`, :func:`grad`, :func:`local_value_and_grad`,
 :func:`local_grad`), and the data axis of the step being traced
-(:func:`current_axis`), which ties them together.
+(:func:`current_axis`) and the optimizer states that keep each device's params
+(:func:`local_params_states`), which tie them together.
 """
 
-from jaxcomm.step.axis import current_axis
+from jaxcomm.step.context import current_axis, local_params_states
 from jaxcomm.step.data_parallel import data_parallel
 from jaxcomm.step.grad import grad, value_and_grad
 from jaxcomm.step.local_grad import local_grad, local_value_and_grad
@@ -17,6 +18,7 @@ __all__ = [
     "data_parallel",
     "grad",
     "local_grad",
+    "local_params_states",
     "local_value_and_grad",
     "value_and_grad",
 ]

@@ -36,8 +36,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import varying_axes
-from jaxcomm.state import is_nnx_object, placed_spec, spec_axes, state_specs
-from jaxcomm.step.axis import step_axis
+from jaxcomm.state import holds_local_params, is_nnx_object, placed_spec, spec_axes, state_specs
+from jaxcomm.step.context import step_context
 
 
 def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
@@ -116,7 +116,15 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         args, others = [], iter(_device_keys(rest, in_specs[1], axis))
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
-        with step_axis(axis), _device_rngs(objects, axis), _global_batch_norm(objects, axis):
+        # diloco's and double_buffered's gradient is taken at each device's own params.
+        at_local = [
+            o.opt_state for o in objects if holds_local_params(getattr(o, "opt_state", None))
+        ]
+        with (
+            step_context(axis, at_local),
+            _device_rngs(objects, axis),
+            _global_batch_norm(objects, axis),
+        ):
             out = _run(fun, args)
         new_graphdef, new_state = _split(objects)
         if new_graphdef != graphdef:

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxcomm.collectives import to_varying
-from jaxcomm.step.axis import current_axis
+from jaxcomm.state import local_params
+from jaxcomm.step.context import current_axis, local_params_states
 from jaxcomm.step.local_grad import local_grad, local_value_and_grad
 
 
@@ -42,6 +43,9 @@ def value_and_grad(
       ``(loss, aux)`` with ``has_aux``), the value and gradient of this
       device's data only. Module state other than ``nnx.Param`` (BatchNorm
       statistics, RNG counts) is updated as ``nnx.value_and_grad`` does.
+      Inside a :func:`jaxcomm.data_parallel` step whose optimizer keeps each
+      device's params (``diloco``, ``double_buffered``), a module's gradient
+      is taken at those (:func:`jaxcomm.local_params`), as they require.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -89,13 +93,28 @@ def _differentiate(with_value, fun, axis_name, argnums, has_aux):
         # nnx.state holds the modules' own Variables: tree.map copies the values.
         params = nnx.state(modules, nnx.Param)
         saved = jax.tree.map(lambda x: x, params)
-        nnx.update(modules, jax.tree.map(lambda x: to_varying(x, axes), params))
+        nnx.update(modules, jax.tree.map(lambda x: to_varying(x, axes), _at(params)))
         try:
             return transform(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
         finally:
             nnx.update(modules, saved)  # the optimizer updates the params as they were
 
     return wrapped
+
+
+def _at(params):
+    """Where to take the gradient: inside a data_parallel step whose optimizer
+    keeps each device's params (diloco, double_buffered), at those; else at
+    the params."""
+    held = local_params_states()
+    if len(held) > 1:
+        raise ValueError(
+            "jaxcomm.value_and_grad: the step has several optimizers that keep each "
+            "device's params (diloco, double_buffered); it cannot tell which one the model "
+            "belongs to: take the gradient at jaxcomm.local_params(optimizer.opt_state, "
+            "like=nnx.state(model, nnx.Param)) yourself"
+        )
+    return local_params(held[0], like=params) if held else params
 
 
 def _axis(axis_name):

@@ -7,8 +7,6 @@ gradient must be taken at; this reads them out of any optimizer state.
 
 from __future__ import annotations
 
-import typing
-
 import jax
 import jax.numpy as jnp
 
@@ -30,12 +28,9 @@ def _transform(state_type) -> str:
     return state_type.__module__.rsplit(".", 1)[-1]
 
 
-def _holder_names() -> list[str]:
-    """The transforms whose public state type declares a LocalParams field."""
-    from jaxcomm import transforms
-
-    types = (t for t in vars(transforms).values() if isinstance(t, type) and hasattr(t, "_fields"))
-    return [_transform(t) for t in types if LocalParams in typing.get_type_hints(t).values()]
+def holds_local_params(tree) -> bool:
+    """Whether `tree` (an optimizer state) holds a state with a LocalParams field."""
+    return any(_holds(s) for s in jax.tree.leaves(tree, is_leaf=_holds))
 
 
 def local_params(opt_state, like=None):
@@ -58,7 +53,8 @@ def local_params(opt_state, like=None):
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=_holds) if _holds(s)]
     if len(found) != 1:
         raise ValueError(
-            f"expected one {' or '.join(_holder_names())} state in the state, found {len(found)}"
+            "expected one state that keeps each device's params (a LocalParams field: "
+            f"jaxcomm.diloco's, jaxcomm.double_buffered's) in the state, found {len(found)}"
         )
     held = next(v for v in found[0] if isinstance(v, LocalParams))
     rows = {jnp.shape(x)[0] for x in jax.tree.leaves(held.value)}
