@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from jaxcomm import _flat, _validate
-from jaxcomm.collectives import reduction, varying_axes
+from jaxcomm.collectives import over_shards, reduction, varying_axes
 from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import reduce_in_buckets
@@ -521,13 +521,13 @@ def _power_step(leaves, residual, state, seed, mats, dtype, bound, error_feedbac
     )
 
     ps = [
-        _psum(jnp.matmul(mm, q, precision=_PRECISION), m.col_axes)
+        over_shards.psum(jnp.matmul(mm, q, precision=_PRECISION), m.col_axes)
         for mm, q, m in zip(ms, q0, mats, strict=True)
     ]
     ps = bound.allreduce_bucket(ps)
     ps = [_orthonormal_rows_block(p, m.row_axes) for p, m in zip(ps, mats, strict=True)]
     qs = [
-        _psum(jnp.matmul(mm.T, p, precision=_PRECISION), m.row_axes)
+        over_shards.psum(jnp.matmul(mm.T, p, precision=_PRECISION), m.row_axes)
         for mm, p, m in zip(ms, ps, mats, strict=True)
     ]
     qs = bound.allreduce_bucket(qs)
@@ -555,16 +555,12 @@ def _orthonormal_columns(p):
     return q * jnp.where(diagonal < 0, -1, 1).astype(q.dtype) * (diagonal != 0).astype(q.dtype)
 
 
-def _psum(x, axes: tuple):
-    return jax.lax.psum(x, axes) if axes else x
-
-
 def _orthonormal_rows_block(p, axes: tuple):
     """:func:`_orthonormal_columns` of P whose rows are split over `axes`:
     this device's rows of the result."""
     if not axes:
         return _orthonormal_columns(p)
-    whole = jax.lax.all_gather(p, axes, axis=0, tiled=True)
+    whole = over_shards.all_gather(p, axes)
     return _block(_orthonormal_columns(whole), axes, p.shape[0])
 
 
