@@ -92,97 +92,56 @@ def diloco(
 ) -> optax.GradientTransformation:
     """Local steps with ``inner``, an averaged outer step every ``sync_every``.
 
-    A whole optimizer (put nothing after it in a chain), used inside
-    ``jax.shard_map`` or ``jax.pmap``. ``params`` are the global params of the last
-    sync, the same on every device; take the gradient at this device's own,
-    :func:`jaxcomm.local_params` ``(state)``. With ``H = sync_every``, ``F =
-    fragments`` and ``mean`` over the devices, each step ``s`` (from 0) computes::
-
-      local <- local + inner.update(grads)                    (this device only)
-      for each fragment f with (s + 1) % H == ((f + 1) * H // F) % H:
-          g_f <- mean(params - local) on f's leaves                (the collective)
-      for each fragment f whose sync was tau = delay steps ago:
-          u = outer.update(g_f) on f's leaves
-          local <- alpha * local + (1 - alpha) * (params + u)     (alpha = mixing)
-
-    and returns ``u`` on those leaves, zeros elsewhere; with ``alpha = 0`` ``local``
-    adopts bitwise what ``optax.apply_updates`` gives the caller. Fragments are
-    contiguous groups of leaves, about 1/F of the elements each, synced in turn
-    ``H/F`` steps apart; a step with none due sends nothing. With ``delay`` on
-    CPU (jaxcomm's transport, ``backend="auto"`` or ``"ffi"``) the sync step
-    starts the exchange and the landing step ``delay`` steps later finishes
-    it: it runs while the devices compute the steps between. Elsewhere (GPU,
-    ``backend="xla"``, a scaled wire, :func:`jaxcomm.sparse_outer`) it runs in
-    the sync step and only its use waits. See docs/diloco.md.
-
-    At equal steps it ends above dense training: on examples/lm (300 steps)
-    +4% at H = 2 to +18% at H = 50 with plain averaging (``outer=optax.sgd(1.0)``,
-    the best outer step in short runs), +20% with the paper's Nesterov step at
-    H = 50 (docs/diloco.md, "Quality at equal steps"). It pays where the
-    network makes dense steps slow.
+    A whole optimizer (nothing after it in a chain), used inside ``jax.shard_map``
+    or ``jax.pmap``. ``params`` are the global params of the last sync, the
+    same on every device; take the gradient at this device's own,
+    :func:`jaxcomm.local_params` ``(state)``. Every ``H = sync_every`` steps a
+    fragment's pseudo-gradient ``params - local`` is averaged over the devices,
+    ``outer`` steps ``params`` with it and ``local`` adopts the result (bitwise
+    the caller's ``optax.apply_updates``); elsewhere the update is zero. The
+    schedule, the overlap and the measured quality: docs/diloco.md.
 
     Args:
-      inner: the optimizer each device runs on its own gradients, e.g.
-        ``optax.adamw(...)``; its state is per device and kept across syncs.
-      outer: the optimizer on the averaged pseudo-gradient, e.g.
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; one state per fragment.
-        Or :func:`jaxcomm.sparse_outer` (SparseLoCo: what is sent is sparse).
+      inner: the optimizer each device runs on its own gradients (state per device).
+      outer: an optax optimizer on the averaged pseudo-gradient, e.g.
+        ``optax.sgd(1.0)``, one state per fragment; or an ``OuterStep``
+        (jaxcomm.transforms.outer_step) such as :func:`jaxcomm.sparse_outer`.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       sync_every: H, inner steps between two syncs of a fragment, >= 1.
-      fragments: F, 1 <= F <= H and at most the number of leaves (checked at init).
-      delay: tau, inner steps between a fragment's sync and its outer update,
-        0 <= tau < H (Streaming DiLoCo's overlap); the steps between run on
-        the local params.
-      mixing: alpha in [0, 1): at the outer update each device keeps this
-        share of its local params and takes ``1 - alpha`` of the new global
-        ones (Streaming DiLoCo's mixing factor; 0 adopts them).
-      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16``, an 8-bit float,
-        ``"int8"`` or ``"int4"`` for the pseudo-gradient, as in :func:`jaxcomm.allreduce`
-        (the last four xla only).
-      error_feedback: with a narrow wire, add what this device's encoding of
-        its pseudo-gradient dropped at a fragment's last sync to what it sends
-        at the next (kept per device in ``state.error``); otherwise it is lost.
-      bucket_bytes: fusion threshold within a fragment, as in
-        :func:`jaxcomm.allreduce_gradients` (``None``: per leaf on xla, 4 MiB on ffi).
-      algorithm: as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
+      fragments: F, groups of leaves synced in turn ``H/F`` steps apart, 1 <= F <= H.
+      delay: tau in [0, H), steps from a fragment's sync to its outer update.
+      mixing: alpha in [0, 1), the share of its local params a device keeps then.
+      wire_dtype: of the pseudo-gradient, as in :func:`jaxcomm.allreduce`.
+      error_feedback: with a narrow wire, resend what its encoding dropped.
+      bucket_bytes: fusion threshold, as in :func:`jaxcomm.allreduce_gradients`.
+      algorithm, backend: as in :func:`jaxcomm.allreduce`.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DiLoCoState`, whose
-      ``PerDevice`` parts :func:`jaxcomm.state_specs` places; init needs the axis
-      size (inside ``shard_map`` or under ``jax.set_mesh``). ``jaxcomm.get_stats``:
-      zeros between syncs, ``density`` the fraction of elements sent, ``nonfinite``
-      a non-finite pseudo-gradient (whose outer step is taken all the same).
+      An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-      >>> tx = jaxcomm.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True),
-      ...                     "data", sync_every=4)
+      >>> tx = jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), "data", sync_every=4)
       >>> params = {"w": jnp.zeros(3)}
       >>> with jax.set_mesh(mesh):
       ...     state = tx.init(params)
       >>> specs = jaxcomm.state_specs(state, "data")
-      >>> def loss(p, x):
-      ...     return jnp.sum((p["w"] - x) ** 2)
       >>> def step(params, state, x):
-      ...     grads = jax.grad(loss)(jaxcomm.local_params(state), x[0])
+      ...     grads = jax.grad(lambda p: jnp.sum((p["w"] - x[0]) ** 2))(jaxcomm.local_params(state))
       ...     updates, state = tx.update(grads, state, params)
       ...     return optax.apply_updates(params, updates), state
       >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
       ...                             out_specs=(P(), specs)))
-      >>> state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
       >>> x = jnp.arange(3.0 * jax.device_count()).reshape(-1, 3)  # one row per device
-      >>> x = jax.device_put(x, NamedSharding(mesh, P("data")))
+      >>> x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
       >>> collectives = []
       >>> for _ in range(4):  # one step in flight at a time
       ...     params, state = jax.block_until_ready(run(params, state, x))
       ...     collectives.append(int(jaxcomm.get_stats(state).collectives))
-      >>> collectives  # only the 4th step syncs
-      [0, 0, 0, 1]
-      >>> bool((state.local.value["w"] == params["w"]).all())  # every device adopted them
-      True
+      >>> collectives, bool((state.local.value["w"] == params["w"]).all())  # 4th syncs
+      ([0, 0, 0, 1], True)
 
     References:
       Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language
