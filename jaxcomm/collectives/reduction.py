@@ -123,7 +123,7 @@ class Reduction:
     def starts_async(self) -> bool:
         """Whether an allreduce can be started in one step and finished in a
         later one here: jaxcomm's CPU transport and a wire it reduces itself."""
-        return self.resolved_backend.starts_async and not self.wire.scaled
+        return self.resolved_backend.starts_async and self.wire.can_start
 
     def bind(self) -> BoundReduction:
         """Resolves the backend and the schedule for the axes bound here.

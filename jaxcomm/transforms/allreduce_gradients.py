@@ -115,7 +115,7 @@ def allreduce_gradients(
     comm = reduction(axis_name, op=op, wire_dtype=wire_dtype, algorithm=algorithm, backend=backend)
     if bucket_bytes is not None:
         check_bucket_bytes(bucket_bytes)
-    if error_feedback and not comm.narrow:
+    if error_feedback and not comm.wire.narrow:
         wire = comm.wire_dtype
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "
