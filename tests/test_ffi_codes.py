@@ -57,3 +57,30 @@ def test_cuda_module_exports_the_same_codes():
     from jaxcomm import _ffi_cuda
 
     assert _ffi_cuda.codes() == _ffi.codes()
+
+
+_NUMPY_OF = {"int32_t": np.int32, "int64_t": np.int64, "double": np.float64}
+
+
+def test_python_passes_the_attribute_lists_the_handlers_decode():
+    """_ffi_calls writes each shared attribute list once, as
+    xla_ffi/common/attr_lists.h does: the same names, of the types the
+    handlers decode."""
+    from types import SimpleNamespace
+
+    from jaxcomm.collectives import _ffi_calls
+
+    place = SimpleNamespace(size=8, shape=(2, 4), axes=("node", "local"))
+    x = jnp.zeros((8,), jnp.float32)
+    written = {
+        "reduction": _ffi_calls._reduction_attributes(
+            x, place, {}, "hierarchical", jnp.bfloat16, 1.0, 0.125
+        ),
+        "chunk_mask": _ffi_calls._chunk_mask_attributes(4, None, zero_unselected=True),
+    }
+    lists = _ffi.attributes()
+    assert set(lists) == set(written)
+    for name, attrs in written.items():
+        assert list(attrs) == list(lists[name]), name
+        for attr, value in attrs.items():
+            assert type(value) is _NUMPY_OF[lists[name][attr]], (name, attr)

@@ -4,7 +4,9 @@ Each builds the call's result type and attributes and nothing else: which
 handler runs where, how a call finds its peers (`peers`, `coords`: see
 _peers.py) and whether it may take its input's buffer are the backends'
 decisions (backends/). The attribute names and codes are the handlers'
-(xla_ffi/common/ffi_bindings.h; the codes from _extension.codes()).
+(xla_ffi/common/ffi_bindings.h; the codes from _extension.codes()); the
+lists several handlers share are written once here as they are there
+(xla_ffi/common/attr_lists.h), and tests/test_ffi_codes.py checks they agree.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def _result(x, shape, axes, dtype=None):
 
 
 def _reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale) -> dict:
-    """The attributes jaxcomm_allreduce and jaxcomm_allreduce_parts share:
-    the peers, the schedule and the wire (x: the input, or its first part)."""
+    """The attributes jaxcomm_allreduce, jaxcomm_allreduce_parts and
+    jaxcomm_allreduce_start share: the peers, the schedule and the wire (x:
+    the input, or its first part)."""
     return {
         **peers,
         "algorithm": _extension.algorithm_code(algorithm),
@@ -42,6 +45,16 @@ def _reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale)
         "wire_dtype": _extension.wire_code(wire, x.dtype),
         "prescale": np.float64(prescale),
         "postscale": np.float64(postscale),
+    }
+
+
+def _chunk_mask_attributes(chunk_size, max_chunks, zero_unselected) -> dict:
+    """jaxcomm_allreduce's chunk mask attributes: the chunks' size, how many
+    selected chunks are reduced (None: all) and what the others hold."""
+    return {
+        "chunk_size": np.int64(chunk_size),
+        "max_chunks": np.int64(max_chunks or 0),
+        "unselected": _extension.unselected_code("zero" if zero_unselected else "local"),
     }
 
 
@@ -82,9 +95,7 @@ def allreduce(
         coords,
         mask,
         **_reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale),
-        chunk_size=np.int64(chunk_size),
-        max_chunks=np.int64(max_chunks or 0),
-        unselected=_extension.unselected_code("zero" if zero_unselected else "local"),
+        **_chunk_mask_attributes(chunk_size, max_chunks, zero_unselected),
     )
 
 

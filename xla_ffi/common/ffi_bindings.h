@@ -1,25 +1,54 @@
 // The operands and attributes of each collective handler, written once: a
-// platform's binding starts with its own contexts (RunId on CPU, the stream
+// platform's binding starts with its own contexts (Caller on CPU, the stream
 // on CUDA, ...) and hands it to Bind<Op><Site>, which appends the rest. The
 // handler then takes, after its contexts:
-//   allreduce:      x, coords, mask, y, <site>, algorithm, nranks, intra_size,
-//                   wire_dtype, prescale, postscale, chunk_size, max_chunks,
-//                   unselected
+//   allreduce:      x, coords, mask, y, AllReduceAttrs<site>
 //   reduce_scatter: x, coords, y, <site>, nranks, wire_dtype, prescale, postscale
 //   all_gather:     x, coords, y, <site>, nranks, wire_dtype
 // <site> names the call's ranks: "op_id" (int64, same on every device of a
 // call site) where jaxcomm finds the ranks itself, "groups" (the flattened
-// device ids of every group) where XLA lends its communicators.
+// device ids of every group) where XLA lends its communicators. The
+// attributes that several handlers share are decoded into structs whose
+// fields come from the lists of common/attr_lists.h.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
+#include "common/attr_lists.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm {
 
 enum class Site { kOpId, kGroups };
+
+// The attributes of JAXCOMM_REDUCTION_ATTRS and JAXCOMM_CHUNK_MASK_ATTRS.
+struct ReductionAttrs {
+  JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_FIELD)
+};
+struct ChunkMaskAttrs {
+  JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_FIELD)
+};
+
+// The <site> attribute's type.
+template <Site site>
+using SiteId = std::conditional_t<site == Site::kOpId, int64_t, xla::ffi::Span<const int64_t>>;
+
+// allreduce's attributes, decoded as one (ffi::Binding::Attrs).
+template <Site site>
+struct AllReduceAttrs {
+  SiteId<site> at;  // "op_id" or "groups"
+  ReductionAttrs reduction;
+  ChunkMaskAttrs mask;
+};
+
+// allreduce_parts' attributes (CPU); allreduce_start's add a nonce
+// (cpu/allreduce_async.cc).
+struct ReductionAtOpId {
+  int64_t op_id;
+  ReductionAttrs reduction;
+};
 
 namespace bindings {
 
@@ -39,21 +68,12 @@ auto SiteAttr(B&& b) {
 template <Site site, typename B>
 auto BindAllReduce(B&& b) {
   namespace ffi = xla::ffi;
-  auto operands = std::move(b)
-                      .template Arg<ffi::AnyBuffer>()          // x
-                      .template Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
-                      .template Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
-                      .template Ret<ffi::AnyBuffer>();         // y, x's shape and dtype
-  return bindings::SiteAttr<site>(std::move(operands))
-      .template Attr<int32_t>("algorithm")    // Algorithm code
-      .template Attr<int32_t>("nranks")       // ranks on the reduced axes
-      .template Attr<int32_t>("intra_size")   // hierarchical: ranks per node
-      .template Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
-      .template Attr<double>("prescale")      // before the wire cast
-      .template Attr<double>("postscale")     // after the reduction
-      .template Attr<int64_t>("chunk_size")   // mask granularity, elements
-      .template Attr<int64_t>("max_chunks")   // mask: chunk slots packed, 0 = all
-      .template Attr<int32_t>("unselected");  // mask: Unselected code (local values or zeros)
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
+      .template Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
+      .template Attrs<AllReduceAttrs<site>>();
 }
 
 template <Site site, typename B>
@@ -83,3 +103,19 @@ auto BindAllGather(B&& b) {
 }
 
 }  // namespace jaxcomm
+
+// Struct members: ", StructMember<type>("name")" per attribute of a list,
+// after a first member written out (the macro takes no leading comma).
+#define JAXCOMM_ATTR_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::AllReduceAttrs<jaxcomm::Site::kOpId>,
+                                      StructMember<int64_t>("op_id")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER)
+                                              JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::AllReduceAttrs<jaxcomm::Site::kGroups>,
+                                      StructMember<Span<const int64_t>>("groups")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER)
+                                              JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_MEMBER));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::ReductionAtOpId,
+                                      StructMember<int64_t>("op_id")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER));

@@ -13,6 +13,7 @@
 #include "common/chunk_layout.h"
 #include "common/codes.h"
 #include "common/dtype.h"
+#include "common/ffi_bindings.h"
 #include "common/reduce_spec.h"
 #include "common/status.h"
 #include "xla/ffi/api/ffi.h"
@@ -99,6 +100,21 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
   return CheckCoords(op, coords);
 }
 
+// What allreduce, allreduce_parts and allreduce_start decode first: the
+// above from their reduction attributes, and the algorithm code.
+inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x,
+                                  const ffi::Buffer<ffi::S32>& coords, const ReductionAttrs& r,
+                                  ReduceSpec* spec) {
+  if (auto err = DecodeReduction(op, x, coords, r.wire_dtype, r.prescale, r.postscale, spec);
+      !err.success()) {
+    return err;
+  }
+  if (!IsValidAlgorithm(r.algorithm)) {
+    return Invalid(op, "unknown algorithm code " + std::to_string(r.algorithm));
+  }
+  return ffi::Error::Success();
+}
+
 // The chunks of `elements` (common/chunk_layout.h): sets `nchunks`, or says
 // why `chunk_size` cannot cut them.
 inline ffi::Error CountChunks(const std::string& op, size_t elements, int64_t chunk_size,
@@ -122,38 +138,31 @@ inline ffi::Error CheckChunkMask(const std::string& op, size_t elements, int64_t
 
 // What an allreduce call must satisfy before any rank communicates. Fills
 // `spec`'s types and scales, `nchunks` (0 without a mask: every element) and
-// `slots`: how many selected chunks are packed, the first `max_chunks` of
-// them (all for 0); chunks selected beyond that are not reduced.
-// `unselected` (an Unselected code) says what the other chunks of the result
-// hold: the local input or zeros.
+// `slots`: how many selected chunks are packed, the first
+// `chunks.max_chunks` of them (all for 0); chunks selected beyond that are
+// not reduced. `chunks.unselected` (an Unselected code) says what the other
+// chunks of the result hold: the local input or zeros.
 inline ffi::Error CheckAllReduce(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& coords,
                                  const ffi::Buffer<ffi::PRED>& mask, const ffi::AnyBuffer& y,
-                                 int32_t algorithm, int32_t wire_dtype, double prescale,
-                                 double postscale, int64_t chunk_size, int64_t max_chunks,
-                                 int32_t unselected, ReduceSpec* spec, int64_t* nchunks,
-                                 int64_t* slots) {
+                                 const ReductionAttrs& reduction, const ChunkMaskAttrs& chunks,
+                                 ReduceSpec* spec, int64_t* nchunks, int64_t* slots) {
   const std::string op = "allreduce";
-  if (auto err = DecodeReduction(op, x, coords, wire_dtype, prescale, postscale, spec);
-      !err.success()) {
-    return err;
-  }
-  if (!IsValidAlgorithm(algorithm)) {
-    return Invalid(op, "unknown algorithm code " + std::to_string(algorithm));
-  }
+  if (auto err = DecodeReduction(op, x, coords, reduction, spec); !err.success()) return err;
   if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
     return Invalid(op, "output must have x's dtype and size");
   }
-  if (!IsNamedCode(kUnselectedNames, unselected)) {
-    return Invalid(op, "unknown unselected code " + std::to_string(unselected));
+  if (!IsNamedCode(kUnselectedNames, chunks.unselected)) {
+    return Invalid(op, "unknown unselected code " + std::to_string(chunks.unselected));
   }
   *nchunks = *slots = 0;
   if (mask.element_count() == 0) return ffi::Error::Success();
-  if (auto err = CheckChunkMask(op, x.element_count(), chunk_size, mask.element_count(), nchunks);
+  if (auto err =
+          CheckChunkMask(op, x.element_count(), chunks.chunk_size, mask.element_count(), nchunks);
       !err.success()) {
     return err;
   }
-  if (max_chunks < 0) return Invalid(op, "max_chunks < 0");
-  *slots = max_chunks == 0 ? *nchunks : std::min(max_chunks, *nchunks);
+  if (chunks.max_chunks < 0) return Invalid(op, "max_chunks < 0");
+  *slots = chunks.max_chunks == 0 ? *nchunks : std::min(chunks.max_chunks, *nchunks);
   return ffi::Error::Success();
 }
 

@@ -1,6 +1,7 @@
-// codes(): what both extension modules (jaxcomm._ffi, jaxcomm._ffi_cuda)
-// export so that Python takes every integer code from the C++ enums instead
-// of spelling them again.
+// codes() and attributes(): what both extension modules (jaxcomm._ffi,
+// jaxcomm._ffi_cuda) export so that Python takes every integer code from the
+// C++ enums instead of spelling them again, and a test can check that Python
+// passes the attributes the handlers decode.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "common/algorithm_code.h"
+#include "common/attr_lists.h"
 #include "common/codes.h"
 #include "common/dtype.h"
 
@@ -32,10 +34,40 @@ inline pybind11::dict Codes() {
   return d;
 }
 
+// {"reduction": {name: C++ type}, "chunk_mask": {...}}: the attribute lists
+// several handlers decode (common/attr_lists.h), in their order.
+struct AttrEntry {
+  const char* name;
+  const char* type;
+};
+
+template <size_t N>
+pybind11::dict AttrDict(const AttrEntry (&entries)[N]) {
+  pybind11::dict d;
+  for (const AttrEntry& e : entries) d[e.name] = e.type;
+  return d;
+}
+
+#define JAXCOMM_ATTR_ENTRY(type, name) {#name, #type},
+
+inline pybind11::dict AttributeLists() {
+  const AttrEntry reduction[] = {JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_ENTRY)};
+  const AttrEntry chunk_mask[] = {JAXCOMM_CHUNK_MASK_ATTRS(JAXCOMM_ATTR_ENTRY)};
+  pybind11::dict d;
+  d["reduction"] = AttrDict(reduction);
+  d["chunk_mask"] = AttrDict(chunk_mask);
+  return d;
+}
+
+#undef JAXCOMM_ATTR_ENTRY
+
 inline void DefineCodes(pybind11::module_& m) {
   m.def("codes", &Codes,
         "The integer codes the handlers take, from the C++ enums: "
         "{'dtype', 'algorithm', 'unselected', 'op'} -> {name: code}.");
+  m.def("attributes", &AttributeLists,
+        "The attribute lists several handlers decode, from the C++ lists: "
+        "{'reduction', 'chunk_mask'} -> {name: C++ type}.");
 }
 
 }  // namespace jaxcomm

@@ -11,9 +11,9 @@
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                          ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
-                          int64_t op_id, int32_t nranks, int32_t wire_dtype) {
+ffi::Future AllGatherImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t nranks,
+                          int32_t wire_dtype) {
   DType input, wire;
   if (auto err = CheckAllGather(x, coords, *y, nranks, wire_dtype, &input, &wire); !err.success()) {
     return CompletedFuture(err);
@@ -21,8 +21,7 @@ ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   const size_t m = x.element_count();
   CallSite site;
   if (Status st = SiteOf(
-          "all_gather", run_id.run_id, op_id, device, coords.typed_data(), nranks, 1,
-          Algorithm::kRing,
+          "all_gather", caller, coords.typed_data(), {op_id, nranks},
           Fingerprint(OpTag::kAllGather,
                       {static_cast<int64_t>(m), static_cast<int>(input), static_cast<int>(wire)}),
           &site);
@@ -39,10 +38,7 @@ ffi::Future AllGatherImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllGatherCpu, AllGatherImpl,
-    BindAllGather<Site::kOpId>(ffi::Ffi::Bind()
-                                   .Ctx<ffi::RunId>()             // shared by one execution
-                                   .Ctx<ffi::DeviceOrdinal>()));  // for stats and messages
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherCpu, AllGatherImpl,
+                              BindAllGather<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu

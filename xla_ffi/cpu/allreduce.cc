@@ -121,16 +121,14 @@ ffi::Future AllReduceDirectMasked(const CallSite& site, const ReduceSpec& spec, 
   });
 }
 
-ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                          ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
-                          ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
-                          int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                          double postscale, int64_t chunk_size, int64_t max_chunks,
-                          int32_t unselected) {
+ffi::Future AllReduceImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                          ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::AnyBuffer> y,
+                          AllReduceAttrs<Site::kOpId> attrs) {
+  const ReductionAttrs& r = attrs.reduction;
+  const int64_t chunk_size = attrs.mask.chunk_size;
   ReduceSpec spec;
   int64_t nchunks = 0, slots = 0;
-  if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, max_chunks, unselected, &spec, &nchunks, &slots);
+  if (auto err = CheckAllReduce(x, coords, mask, *y, r, attrs.mask, &spec, &nchunks, &slots);
       !err.success()) {
     return CompletedFuture(err);
   }
@@ -145,10 +143,9 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
   CallSite site;
   if (Status st = SiteOf(
-          "allreduce", run_id.run_id, op_id, device, coords.typed_data(), nranks, intra_size,
-          static_cast<Algorithm>(algorithm),
+          "allreduce", caller, coords.typed_data(), PlacementOf(attrs.at, r),
           Fingerprint(OpTag::kAllReduce, {static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                          static_cast<int>(spec.wire), algorithm, intra_size,
+                                          static_cast<int>(spec.wire), r.algorithm, r.intra_size,
                                           chunk_size, masked ? static_cast<int64_t>(packed) : -1,
                                           masked ? static_cast<int64_t>(chunks.size()) : -1}),
           &site);
@@ -161,7 +158,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   const Algorithm algo = ScheduleOf(site);
   // Only the selected chunks travel: pack them, reduce, unpack; the other
   // chunks keep the local values or are zeroed.
-  const bool zero = static_cast<Unselected>(unselected) == Unselected::kZero;
+  const bool zero = static_cast<Unselected>(attrs.mask.unselected) == Unselected::kZero;
   if (algo == Algorithm::kDirect) {
     if (!masked) return ArriveDirectFuture(site, spec, {n}, {in}, {out});
     return AllReduceDirectMasked(site, spec, in, out, n, chunks, packed, zero);
@@ -180,10 +177,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    AllReduceCpu, AllReduceImpl,
-    BindAllReduce<Site::kOpId>(ffi::Ffi::Bind()
-                                   .Ctx<ffi::RunId>()             // shared by one execution
-                                   .Ctx<ffi::DeviceOrdinal>()));  // for stats and messages
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceCpu, AllReduceImpl,
+                              BindAllReduce<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu

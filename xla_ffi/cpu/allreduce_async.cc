@@ -117,30 +117,32 @@ class InFlightTable {
   std::deque<AsyncEvent> log_;
 };
 
+// allreduce_start's attributes: allreduce_parts' (ReductionAtOpId) and this
+// job's nonce.
+struct StartAttrs {
+  int64_t op_id;  // same on every device
+  ReductionAttrs reduction;
+  int32_t nonce;
+};
+
 const char kStart[] = "allreduce_start";
 const char kDone[] = "allreduce_done";
 
-ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                     ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::Buffer<ffi::S32>> handle,
-                     int64_t op_id, int32_t algorithm, int32_t nranks, int32_t intra_size,
-                     int32_t wire_dtype, double prescale, double postscale, int32_t nonce) {
+ffi::Error StartImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                     ffi::Result<ffi::Buffer<ffi::S32>> handle, StartAttrs attrs) {
+  const ReductionAttrs& r = attrs.reduction;
+  const int64_t op_id = attrs.op_id;
+  const int32_t device = caller.device;
   ReduceSpec spec;
-  if (auto err = DecodeReduction(kStart, x, coords, wire_dtype, prescale, postscale, &spec);
-      !err.success()) {
-    return err;
-  }
-  if (!IsValidAlgorithm(algorithm)) {
-    return Invalid(kStart, "unknown algorithm code " + std::to_string(algorithm));
-  }
+  if (auto err = DecodeReduction(kStart, x, coords, r, &spec); !err.success()) return err;
   if (handle->element_count() != 3) return Invalid(kStart, "the handle must hold 3 int32");
   if (op_id < 0 || op_id > INT32_MAX) return Invalid(kStart, "op_id must fit in int32");
   const size_t n = x.element_count();
   CallSite site;
-  if (Status st = SiteOf(kStart, run_id.run_id, op_id, device, coords.typed_data(), nranks,
-                         intra_size, static_cast<Algorithm>(algorithm),
+  if (Status st = SiteOf(kStart, caller, coords.typed_data(), PlacementOf(op_id, r),
                          Fingerprint(OpTag::kAllReduceStart,
                                      {static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                      static_cast<int>(spec.wire), algorithm, intra_size}),
+                                      static_cast<int>(spec.wire), r.algorithm, r.intra_size}),
                          &site);
       !st.ok()) {
     return ToError(st);
@@ -152,7 +154,7 @@ ffi::Error StartImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
   op->out.resize(x.size_bytes());
   op->event = {device, op_id, 0, static_cast<int64_t>(x.size_bytes()), Now(), 0, 0, 0};
   op->event.sequence = InFlightTable::Get().Add(device, op_id, op);
-  handle->typed_data()[0] = nonce;
+  handle->typed_data()[0] = attrs.nonce;
   handle->typed_data()[1] = static_cast<int32_t>(op_id);
   handle->typed_data()[2] = static_cast<int32_t>(op->event.sequence);
 
@@ -220,19 +222,11 @@ size_t AllReducesInFlight() { return InFlightTable::Get().Size(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<Caller>()
                                   .Arg<ffi::AnyBuffer>()         // x
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [nonce, op_id, sequence]
-                                  .Attr<int64_t>("op_id")        // same on every device
-                                  .Attr<int32_t>("algorithm")    // Algorithm code
-                                  .Attr<int32_t>("nranks")       // ranks on the reduced axes
-                                  .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
-                                  .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
-                                  .Attr<double>("prescale")      // before the wire cast
-                                  .Attr<double>("postscale")     // after the reduction
-                                  .Attr<int32_t>("nonce"));      // this job's
+                                  .Attrs<StartAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
                               ffi::Ffi::Bind()
@@ -244,3 +238,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
                                   .Attr<bool>("missing_ok"));    // else a missing one is an error
 
 }  // namespace jaxcomm::cpu
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cpu::StartAttrs,
+                                      StructMember<int64_t>("op_id")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
+                                      StructMember<int32_t>("nonce"));

@@ -65,31 +65,25 @@ ffi::Error CollectParts(ffi::RemainingArgs xs, ffi::RemainingRets ys, Parts* par
   return ffi::Error::Success();
 }
 
-ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ffi::S32> coords,
-                               ffi::RemainingArgs xs, ffi::RemainingRets ys, int64_t op_id,
-                               int32_t algorithm, int32_t nranks, int32_t intra_size,
-                               int32_t wire_dtype, double prescale, double postscale) {
+ffi::Future AllReducePartsImpl(Caller caller, ffi::Buffer<ffi::S32> coords, ffi::RemainingArgs xs,
+                               ffi::RemainingRets ys, ReductionAtOpId attrs) {
+  const ReductionAttrs& r = attrs.reduction;
   Parts parts;
   if (auto err = CollectParts(xs, ys, &parts); !err.success()) return CompletedFuture(err);
   ReduceSpec spec;
   auto first = xs.get<ffi::AnyBuffer>(0);
-  if (auto err = DecodeReduction(kOp, *first, coords, wire_dtype, prescale, postscale, &spec);
-      !err.success()) {
+  if (auto err = DecodeReduction(kOp, *first, coords, r, &spec); !err.success()) {
     return CompletedFuture(err);
-  }
-  if (!IsValidAlgorithm(algorithm)) {
-    return CompletedFuture(Invalid(kOp, "unknown algorithm code " + std::to_string(algorithm)));
   }
   // The ranks must agree on every part's size, not only on the total.
   uint64_t sizes = Fingerprint({static_cast<int64_t>(parts.sizes.size())});
   for (size_t size : parts.sizes)
     sizes = Fingerprint({static_cast<int64_t>(sizes), static_cast<int64_t>(size)});
   CallSite site;
-  if (Status st = SiteOf(kOp, run_id.run_id, op_id, device, coords.typed_data(), nranks, intra_size,
-                         static_cast<Algorithm>(algorithm),
+  if (Status st = SiteOf(kOp, caller, coords.typed_data(), PlacementOf(attrs.op_id, r),
                          Fingerprint(OpTag::kAllReduceParts,
                                      {static_cast<int64_t>(parts.n), static_cast<int>(spec.input),
-                                      static_cast<int>(spec.wire), algorithm, intra_size,
+                                      static_cast<int>(spec.wire), r.algorithm, r.intra_size,
                                       static_cast<int64_t>(sizes)}),
                          &site);
       !st.ok()) {
@@ -125,17 +119,10 @@ ffi::Future AllReducePartsImpl(ffi::RunId run_id, int32_t device, ffi::Buffer<ff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReducePartsCpu, AllReducePartsImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()             // shared by one execution
-                                  .Ctx<ffi::DeviceOrdinal>()     // for stats and messages
+                                  .Ctx<Caller>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
                                   .RemainingArgs()               // the parts, any shapes
                                   .RemainingRets()               // one result per part
-                                  .Attr<int64_t>("op_id")        // same on every device
-                                  .Attr<int32_t>("algorithm")    // Algorithm code
-                                  .Attr<int32_t>("nranks")       // ranks on the reduced axes
-                                  .Attr<int32_t>("intra_size")   // hierarchical: ranks per node
-                                  .Attr<int32_t>("wire_dtype")   // DType code, -1 = input dtype
-                                  .Attr<double>("prescale")      // before the wire cast
-                                  .Attr<double>("postscale"));   // after the reduction
+                                  .Attrs<ReductionAtOpId>());
 
 }  // namespace jaxcomm::cpu

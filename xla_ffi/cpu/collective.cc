@@ -42,11 +42,25 @@ uint64_t Fingerprint(OpTag op, std::initializer_list<int64_t> values) {
   return h;
 }
 
-Status SiteOf(std::string op, int64_t run_id, int64_t op_id, int32_t device, const int32_t* coords,
-              int32_t nranks, int32_t intra_size, Algorithm algorithm, uint64_t fingerprint,
-              CallSite* site) {
-  *site = CallSite{std::move(op), run_id, op_id,      device,    coords[0],
-                   coords[1],     nranks, intra_size, algorithm, fingerprint};
+Placement PlacementOf(int64_t op_id, const ReductionAttrs& reduction) {
+  return {op_id, reduction.nranks, reduction.intra_size,
+          static_cast<Algorithm>(reduction.algorithm)};
+}
+
+Status SiteOf(std::string op, const Caller& caller, const int32_t* coords,
+              const Placement& placement, uint64_t fingerprint, CallSite* site) {
+  const int64_t op_id = placement.op_id;
+  const int32_t device = caller.device;
+  *site = CallSite{std::move(op),
+                   caller.run_id,
+                   op_id,
+                   device,
+                   coords[0],
+                   coords[1],
+                   placement.nranks,
+                   placement.intra_size,
+                   placement.algorithm,
+                   fingerprint};
   if (site->group >= 0 || TcpRankOf(op_id, device, &site->group, &site->rank)) {
     return Status::Ok();
   }

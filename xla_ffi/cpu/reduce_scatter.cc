@@ -12,10 +12,9 @@
 namespace jaxcomm::cpu {
 namespace {
 
-ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer x,
-                              ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
-                              int64_t op_id, int32_t nranks, int32_t wire_dtype, double prescale,
-                              double postscale) {
+ffi::Future ReduceScatterImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t nranks,
+                              int32_t wire_dtype, double prescale, double postscale) {
   ReduceSpec spec;
   if (auto err = CheckReduceScatter(x, coords, *y, nranks, wire_dtype, prescale, postscale, &spec);
       !err.success()) {
@@ -26,8 +25,8 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
       OpTag::kReduceScatter,
       {static_cast<int64_t>(n), static_cast<int>(spec.input), static_cast<int>(spec.wire)});
   CallSite site;
-  if (Status st = SiteOf("reduce_scatter", run_id.run_id, op_id, device, coords.typed_data(),
-                         nranks, 1, Algorithm::kRing, fingerprint, &site);
+  if (Status st = SiteOf("reduce_scatter", caller, coords.typed_data(), {op_id, nranks},
+                         fingerprint, &site);
       !st.ok()) {
     return CompletedFuture(ToError(st));
   }
@@ -41,10 +40,7 @@ ffi::Future ReduceScatterImpl(ffi::RunId run_id, int32_t device, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    ReduceScatterCpu, ReduceScatterImpl,
-    BindReduceScatter<Site::kOpId>(ffi::Ffi::Bind()
-                                       .Ctx<ffi::RunId>()             // shared by one execution
-                                       .Ctx<ffi::DeviceOrdinal>()));  // for stats and messages
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceScatterCpu, ReduceScatterImpl,
+                              BindReduceScatter<Site::kOpId>(ffi::Ffi::Bind().Ctx<Caller>()));
 
 }  // namespace jaxcomm::cpu

@@ -19,21 +19,21 @@ namespace {
 
 ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
-                         ffi::Result<ffi::AnyBuffer> y, int32_t algorithm, int32_t intra_size,
-                         int32_t wire_dtype, double prescale, double postscale, int64_t chunk_size,
-                         int64_t max_chunks, int32_t unselected, const CommRunner& run) {
+                         ffi::Result<ffi::AnyBuffer> y, const ReductionAttrs& r,
+                         const ChunkMaskAttrs& m, const CommRunner& run) {
   Scratch scratch(ctx);  // freed when the handler returns
   ReduceSpec spec;
   int64_t nchunks = 0, slots = 0;
-  if (auto err = CheckAllReduce(x, coords, mask, *y, algorithm, wire_dtype, prescale, postscale,
-                                chunk_size, max_chunks, unselected, &spec, &nchunks, &slots);
+  if (auto err = CheckAllReduce(x, coords, mask, *y, r, m, &spec, &nchunks, &slots);
       !err.success()) {
     return err;
   }
+  const int32_t intra_size = r.intra_size;
+  const int64_t chunk_size = m.chunk_size;
   const size_t n = x.element_count();
   const size_t isz = SizeOf(spec.input);
   const bool masked = nchunks > 0;
-  const auto algo = static_cast<Algorithm>(algorithm);
+  const auto algo = static_cast<Algorithm>(r.algorithm);
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
   Status st = run([&](const CommSet& set, CudaKernels& k) {
@@ -47,7 +47,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
     // past the selected ones: nothing waits for the device to count them.
     const bool* selected = mask.typed_data();
     const size_t packed = std::min(n, static_cast<size_t>(slots * chunk_size));
-    if (static_cast<Unselected>(unselected) == Unselected::kZero) {
+    if (static_cast<Unselected>(m.unselected) == Unselected::kZero) {
       k.Zero(out, n * isz);
     } else {
       k.Convert(out, spec.input, in, spec.input, n, 1.0);
@@ -73,34 +73,29 @@ ffi::Error AllReduceImpl(cudaStream_t stream, ffi::Context ctx, ffi::AnyBuffer x
 // jaxcomm's own communicators, found by call site.
 ffi::Error AllReduceOwn(cudaStream_t stream, int32_t device, ffi::Context ctx, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t op_id, int32_t algorithm,
-                        int32_t nranks, int32_t intra_size, int32_t wire_dtype, double prescale,
-                        double postscale, int64_t chunk_size, int64_t max_chunks,
-                        int32_t unselected) {
-  return AllReduceImpl(
-      stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale, postscale,
-      chunk_size, max_chunks, unselected, [&](const CollectiveBody& body) {
-        return RunOnOwnComms(stream, device, coords.typed_data(), op_id, nranks, body);
-      });
+                        ffi::Result<ffi::AnyBuffer> y, AllReduceAttrs<Site::kOpId> attrs) {
+  return AllReduceImpl(stream, ctx, x, coords, mask, y, attrs.reduction, attrs.mask,
+                       [&](const CollectiveBody& body) {
+                         return RunOnOwnComms(stream, device, coords.typed_data(), attrs.at,
+                                              attrs.reduction.nranks, body);
+                       });
 }
 
 #if JAXCOMM_XLA_COMMS
 // XLA's communicators for the call's device groups.
 ffi::Error AllReduceXla(cudaStream_t stream, int32_t device, ffi::Context ctx, XlaCommContext comms,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> group_ids,
-                        int32_t algorithm, int32_t nranks, int32_t intra_size, int32_t wire_dtype,
-                        double prescale, double postscale, int64_t chunk_size, int64_t max_chunks,
-                        int32_t unselected) {
+                        ffi::Result<ffi::AnyBuffer> y, AllReduceAttrs<Site::kGroups> attrs) {
+  const int32_t nranks = attrs.reduction.nranks;
   Groups groups;
-  if (Status st = GroupsFromFlat(group_ids.begin(), group_ids.size(), nranks, &groups); !st.ok()) {
+  if (Status st = GroupsFromFlat(attrs.at.begin(), attrs.at.size(), nranks, &groups); !st.ok()) {
     return ToError(st);
   }
-  return AllReduceImpl(
-      stream, ctx, x, coords, mask, y, algorithm, intra_size, wire_dtype, prescale, postscale,
-      chunk_size, max_chunks, unselected, [&](const CollectiveBody& body) {
-        return RunOnXlaComms(stream, device, comms, groups, coords.typed_data(), nranks, body);
-      });
+  return AllReduceImpl(stream, ctx, x, coords, mask, y, attrs.reduction, attrs.mask,
+                       [&](const CollectiveBody& body) {
+                         return RunOnXlaComms(stream, device, comms, groups, coords.typed_data(),
+                                              nranks, body);
+                       });
 }
 #endif
 
