@@ -275,3 +275,15 @@ def test_only_backends_decide_the_platform():
         "platform or backend branches outside jaxcomm/collectives/backends/ (add an "
         "operation or an attribute to the Backend classes instead):\n" + "\n".join(found)
     )
+
+
+def test_diloco_names_no_outer_step():
+    """diloco takes any OuterStep (transforms/outer_step.py): it imports no
+    implementation, so the outer steps import diloco's protocol, not the
+    reverse."""
+    path = ROOT / "jaxcomm" / "transforms" / "diloco.py"
+    names = [
+        name for _, name in imported_names(path.read_text(), "jaxcomm.transforms.diloco", False)
+    ]
+    assert "jaxcomm.transforms.outer_step.OuterStep" in names
+    assert not [n for n in names if n.startswith("jaxcomm.transforms.sparseloco")]

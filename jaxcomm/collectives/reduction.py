@@ -12,6 +12,7 @@ drops) and hands every operation to its backend (backends/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ from jaxcomm.collectives._axes import (
 )
 from jaxcomm.collectives.backends import DEFAULT_BUCKET_BYTES, Backend
 from jaxcomm.collectives.chunk_layout import DEFAULT_CHUNK_SIZE, ChunkLayout, check_chunk_size
+from jaxcomm.collectives.varying import varying_axes
 from jaxcomm.collectives.wire import Wire
 
 __all__ = [
@@ -49,8 +51,9 @@ class Reduction:
       op: ``"sum"`` or ``"mean"``.
       wire: what travels (:class:`jaxcomm.collectives.Wire`).
       algorithm: as given (``"auto"`` is resolved by :meth:`bind`).
-      backend: as given: a name (``"auto"`` is resolved by :meth:`bind`) or
-        a :class:`jaxcomm.collectives.Backend`.
+      backend: as far as it is decided without a platform (backends.check):
+        a :class:`jaxcomm.collectives.Backend`, ``"xla"``, ``"ffi"``, or
+        ``"auto"``, which :attr:`resolved_backend` finishes at trace time.
       masked: chunk masks will be exchanged, so ``backend="auto"`` prefers
         ffi, the backend that sends only the selected chunks.
       chunk_size: elements per chunk of a mask.
@@ -108,8 +111,10 @@ class Reduction:
         `mesh`, the current mesh's axes count too (a transform's init)."""
         check_bound(self.axes, mesh=mesh)
 
-    def resolve_backend(self) -> Backend:
-        """The backend that runs here (needs the platform, not the axes)."""
+    @functools.cached_property
+    def resolved_backend(self) -> Backend:
+        """The backend that runs here, decided once (on first use, at trace
+        time: it needs the platform, not the axes)."""
         return backends.resolve(
             self.backend, masked=self.masked, wire=self.wire, started=self.started
         )
@@ -118,7 +123,7 @@ class Reduction:
     def starts_async(self) -> bool:
         """Whether an allreduce can be started in one step and finished in a
         later one here: jaxcomm's CPU transport and a wire it reduces itself."""
-        return self.resolve_backend().starts_async and not self.wire.scaled
+        return self.resolved_backend.starts_async and self.wire.can_start
 
     def bind(self) -> BoundReduction:
         """Resolves the backend and the schedule for the axes bound here.
@@ -127,7 +132,7 @@ class Reduction:
           ValueError: an axis is not bound here.
           RuntimeError: ``backend="ffi"`` has no handler on this platform.
         """
-        backend = self.resolve_backend()
+        backend = self.resolved_backend
         place = placement(self.axes)
         algorithm = backend.algorithm(self.algorithm, self.axes, self.wire)
         return BoundReduction(self, place, backend, algorithm)
@@ -170,7 +175,7 @@ def reduction(
     axes = normalize(axis_name)
     wire = Wire.of(wire_dtype)
     _checks.check_choice("op", op, _checks.OPS)
-    backends.check(backend, algorithm, axes, wire, masked=masked, started=started)
+    backend = backends.check(backend, algorithm, axes, wire, masked=masked, started=started)
     if masked:
         chunk_size = check_chunk_size(chunk_size)
     return Reduction(axes, op, wire, algorithm, backend, masked, chunk_size, started)
@@ -229,6 +234,11 @@ class BoundReduction(NamedTuple):
                 )
 
     @property
+    def wire(self) -> Wire:
+        """What travels (the reduction's :class:`jaxcomm.collectives.Wire`)."""
+        return self.reduction.wire
+
+    @property
     def default_bucket_bytes(self) -> float:
         """The fusion threshold when none is given (the backend's)."""
         return self.backend.default_bucket_bytes
@@ -275,6 +285,14 @@ class BoundReduction(NamedTuple):
         that must exist before anything reads the result (:meth:`after`).
         """
         return self.backend.allreduce_bucket(self, parts, in_place=in_place, after=after)
+
+    def all_gather(self, x):
+        """[N, *x.shape]: every device's `x` (any dtype), in rank order, typed
+        as the same on every device where types say so (shard_map) and `x`
+        varies over all the reduced axes."""
+        axes = self.reduction.axes
+        to = "invarying" if set(axes) <= set(varying_axes(x)) else "varying"
+        return self.backend.all_gather_rows(self, x, to=to)
 
     @property
     def starts_async(self) -> bool:

@@ -98,6 +98,12 @@ class Wire:
         all-to-all schedule of backend='xla', which adds in float32."""
         return self.fp8 or self.quantized
 
+    @property
+    def can_start(self) -> bool:
+        """A wire jaxcomm's handlers cast themselves (none, 16-bit floats), so
+        an allreduce over it can start in one step and finish in a later one."""
+        return not self.scaled
+
     def payload_bytes(self, elements: int, dtype, size: int, parts: int = 1) -> int:
         """Bytes a device puts into an allreduce of `elements` of `dtype` in
         `parts` parts over `size` devices, counted so that 2(N-1)/N of it is

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.collectives import varying_axes
+from jaxcomm.collectives import over_shards, varying_axes
 
 
 class CommStats(NamedTuple):
@@ -64,17 +64,13 @@ def agreed_mean(x, over: tuple) -> jax.Array:
     """`x` (a float scalar) averaged over the axes of `over` it is typed as
     varying over (inside shard_map): the shards of a sharded model (`over`,
     "fsdp"), whose stats differ shard by shard, report one value."""
-    varying = tuple(a for a in varying_axes(x) if a in over)
-    return jax.lax.pmean(x, varying) if varying else x
+    return over_shards.pmean(x, tuple(a for a in varying_axes(x) if a in over))
 
 
 def agreed_any(flag) -> jax.Array:
     """`flag` (a bool scalar), true on every device where it is true on one
     of the devices it is typed as varying over (inside shard_map)."""
-    varying = varying_axes(flag)
-    if not varying:
-        return flag
-    return jax.lax.pmax(flag.astype(jnp.int32), varying) > 0
+    return over_shards.any_true(flag, varying_axes(flag))
 
 
 def get_stats(opt_state) -> CommStats:

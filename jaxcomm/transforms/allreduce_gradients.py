@@ -78,23 +78,18 @@ def allreduce_gradients(
         the next step's gradient. Needs a narrow wire, else ValueError.
       bucket_bytes: fusion threshold θ; 0 is one collective per leaf, ``math.inf``
         one per dtype. ``None``: 0 on xla, ``DEFAULT_BUCKET_BYTES`` (4 MiB) on ffi.
-      algorithm: ``"auto"``, ``"ring"``, ``"hierarchical"`` or ``"direct"``,
-        as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
+      algorithm, backend: as in :func:`jaxcomm.allreduce`.
       double_buffering: step t returns the reduced gradient of step t-1 (zeros at
         step 0), so the collective can run under the step's forward and backward
-        passes (ffi on CPU, GPU). The stale step costs quality: 0.7 points on the
-        digits MLP (momentum SGD), +26% validation loss around AdamW on
-        examples/lm; :func:`jaxcomm.double_buffered` overlaps the same exchange
-        without the stale step (docs/double_buffering.md).
+        passes (ffi on CPU, GPU). The stale step costs quality (docs/double_buffering.md):
+        :func:`jaxcomm.double_buffered` overlaps the same exchange without it.
       check_finite: set ``stats.nonfinite`` if the reduced gradient holds an inf or
         NaN, at the cost of one more read of it; ``False`` always reports False.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`AllReduceGradientsState`;
-      ``jaxcomm.get_stats(state)`` reads what the last step sent. A non-finite
-      result is returned as it is on every device, flagged and kept out of the
-      residual: put the optimizer after it in ``optax.apply_if_finite``.
+      An ``optax.GradientTransformation`` with :class:`AllReduceGradientsState`. A
+      non-finite result is returned as it is on every device, flagged and kept out
+      of the residual: put the optimizer after it in ``optax.apply_if_finite``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -120,7 +115,7 @@ def allreduce_gradients(
     comm = reduction(axis_name, op=op, wire_dtype=wire_dtype, algorithm=algorithm, backend=backend)
     if bucket_bytes is not None:
         check_bucket_bytes(bucket_bytes)
-    if error_feedback and not comm.narrow:
+    if error_feedback and not comm.wire.narrow:
         wire = comm.wire_dtype
         raise ValueError(
             "error_feedback=True keeps what a narrow wire cast drops; "

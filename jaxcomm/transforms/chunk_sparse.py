@@ -74,30 +74,23 @@ def chunk_sparse(
     whose averaged chunks or norms are not finite is skipped on every device (zero
     update, state unchanged, ``stats.nonfinite`` set). With ``inner=optax.sgd(lr,
     momentum=0.9)`` and ``residual_decay=0.9`` it is GradientFlow's Algorithm 1;
-    see docs/design.md, "Chunk-sparse communication". Around Adam(W) what costs
-    quality is how few coordinates step: on examples/lm density 0.15 ends 10-12%
-    above dense, density 0.6 over ``wire_dtype="float8_e4m3fn"`` within 2% for
-    fewer bytes (docs/chunk_sparse.md).
+    see docs/design.md, "Chunk-sparse communication"; its quality around Adam(W):
+    docs/chunk_sparse.md.
 
     Args:
       inner: the optimizer to run on the exchanged gradient; it sees zeros off the
         mask, so clipping goes inside it (docs/compose.md).
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       density: final fraction of chunks exchanged, in (0, 1].
-      chunk_size: elements per chunk (32768, as GradientFlow); a model of fewer than
-        ``1 / density`` chunks cannot reach ``density``, and ``init`` warns.
+      chunk_size: elements per chunk (32768, as GradientFlow); ``init`` warns if too few.
       warmup_steps: steps over which density ramps from 1 to ``density``.
-      residual_decay: factor on the unsent gradient kept for the next step
-        (momentum correction), in [0, 1].
-      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16`` or an 8-bit float
-        (xla only) for the exchanged chunks, prescaled as in :func:`jaxcomm.allreduce`.
-      algorithm: as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"`` (ffi where available: only the selected chunks travel),
-        ``"ffi"`` or ``"xla"``.
+      residual_decay: factor in [0, 1] on the unsent gradient kept for the next step.
+      wire_dtype: ``None``, a 16-bit float or (xla only) an 8-bit float, for the chunks.
+      algorithm, backend: as in :func:`jaxcomm.allreduce`; ``backend="auto"`` is
+        ffi where available (only the selected chunks travel).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`ChunkSparseState`;
-      ``jaxcomm.get_stats(state).density`` is the fraction of elements exchanged.
+      An ``optax.GradientTransformation`` with :class:`ChunkSparseState`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
@@ -116,13 +109,9 @@ def chunk_sparse(
       ...                             out_specs=(P(), specs)))
       >>> g = jnp.tile(jnp.arange(16.0), (jax.device_count(), 1))
       >>> g = jax.device_put(g, jax.sharding.NamedSharding(mesh, P("data")))
-      >>> state = jax.device_put(state, jax.tree.map(
-      ...     lambda s: jax.sharding.NamedSharding(mesh, s), specs))
       >>> params, state = run(params, state, g)  # step 0: every chunk travels
-      >>> state.mask.tolist()  # the chunk with the largest norm goes next
-      [False, False, False, True]
-      >>> float(jaxcomm.get_stats(state).density)
-      1.0
+      >>> state.mask.tolist(), float(jaxcomm.get_stats(state).density)  # largest goes next
+      ([False, False, False, True], 1.0)
 
     References:
       Sun et al., `Optimizing Network Performance for Distributed DNN Training on

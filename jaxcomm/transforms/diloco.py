@@ -17,7 +17,8 @@ on each device.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,7 @@ from jaxcomm._sync_schedule import (
 from jaxcomm.collectives import reduction, to_varying, varying_axes
 from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
-from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
-from jaxcomm.transforms.sparseloco import SparseOuter
+from jaxcomm.transforms.outer_step import OuterStep, as_outer_step
 
 
 class DiLoCoState(NamedTuple):
@@ -92,97 +92,56 @@ def diloco(
 ) -> optax.GradientTransformation:
     """Local steps with ``inner``, an averaged outer step every ``sync_every``.
 
-    A whole optimizer (put nothing after it in a chain), used inside
-    ``jax.shard_map`` or ``jax.pmap``. ``params`` are the global params of the last
-    sync, the same on every device; take the gradient at this device's own,
-    :func:`jaxcomm.local_params` ``(state)``. With ``H = sync_every``, ``F =
-    fragments`` and ``mean`` over the devices, each step ``s`` (from 0) computes::
-
-      local <- local + inner.update(grads)                    (this device only)
-      for each fragment f with (s + 1) % H == ((f + 1) * H // F) % H:
-          g_f <- mean(params - local) on f's leaves                (the collective)
-      for each fragment f whose sync was tau = delay steps ago:
-          u = outer.update(g_f) on f's leaves
-          local <- alpha * local + (1 - alpha) * (params + u)     (alpha = mixing)
-
-    and returns ``u`` on those leaves, zeros elsewhere; with ``alpha = 0`` ``local``
-    adopts bitwise what ``optax.apply_updates`` gives the caller. Fragments are
-    contiguous groups of leaves, about 1/F of the elements each, synced in turn
-    ``H/F`` steps apart; a step with none due sends nothing. With ``delay`` on
-    CPU (jaxcomm's transport, ``backend="auto"`` or ``"ffi"``) the sync step
-    starts the exchange and the landing step ``delay`` steps later finishes
-    it: it runs while the devices compute the steps between. Elsewhere (GPU,
-    ``backend="xla"``, a scaled wire, :func:`jaxcomm.sparse_outer`) it runs in
-    the sync step and only its use waits. See docs/diloco.md.
-
-    At equal steps it ends above dense training: on examples/lm (300 steps)
-    +4% at H = 2 to +18% at H = 50 with plain averaging (``outer=optax.sgd(1.0)``,
-    the best outer step in short runs), +20% with the paper's Nesterov step at
-    H = 50 (docs/diloco.md, "Quality at equal steps"). It pays where the
-    network makes dense steps slow.
+    A whole optimizer (nothing after it in a chain), used inside ``jax.shard_map``
+    or ``jax.pmap``. ``params`` are the global params of the last sync, the
+    same on every device; take the gradient at this device's own,
+    :func:`jaxcomm.local_params` ``(state)``. Every ``H = sync_every`` steps a
+    fragment's pseudo-gradient ``params - local`` is averaged over the devices,
+    ``outer`` steps ``params`` with it and ``local`` adopts the result (bitwise
+    the caller's ``optax.apply_updates``); elsewhere the update is zero. The
+    schedule, the overlap and the measured quality: docs/diloco.md.
 
     Args:
-      inner: the optimizer each device runs on its own gradients, e.g.
-        ``optax.adamw(...)``; its state is per device and kept across syncs.
-      outer: the optimizer on the averaged pseudo-gradient, e.g.
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; one state per fragment.
-        Or :func:`jaxcomm.sparse_outer` (SparseLoCo: what is sent is sparse).
+      inner: the optimizer each device runs on its own gradients (state per device).
+      outer: an optax optimizer on the averaged pseudo-gradient, e.g.
+        ``optax.sgd(1.0)``, one state per fragment; or an ``OuterStep``
+        (jaxcomm.transforms.outer_step) such as :func:`jaxcomm.sparse_outer`.
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
       sync_every: H, inner steps between two syncs of a fragment, >= 1.
-      fragments: F, 1 <= F <= H and at most the number of leaves (checked at init).
-      delay: tau, inner steps between a fragment's sync and its outer update,
-        0 <= tau < H (Streaming DiLoCo's overlap); the steps between run on
-        the local params.
-      mixing: alpha in [0, 1): at the outer update each device keeps this
-        share of its local params and takes ``1 - alpha`` of the new global
-        ones (Streaming DiLoCo's mixing factor; 0 adopts them).
-      wire_dtype: ``None``, ``jnp.float16``, ``jnp.bfloat16``, an 8-bit float,
-        ``"int8"`` or ``"int4"`` for the pseudo-gradient, as in :func:`jaxcomm.allreduce`
-        (the last four xla only).
-      error_feedback: with a narrow wire, add what this device's encoding of
-        its pseudo-gradient dropped at a fragment's last sync to what it sends
-        at the next (kept per device in ``state.error``); otherwise it is lost.
-      bucket_bytes: fusion threshold within a fragment, as in
-        :func:`jaxcomm.allreduce_gradients` (``None``: per leaf on xla, 4 MiB on ffi).
-      algorithm: as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
+      fragments: F, groups of leaves synced in turn ``H/F`` steps apart, 1 <= F <= H.
+      delay: tau in [0, H), steps from a fragment's sync to its outer update.
+      mixing: alpha in [0, 1), the share of its local params a device keeps then.
+      wire_dtype: of the pseudo-gradient, as in :func:`jaxcomm.allreduce`.
+      error_feedback: with a narrow wire, resend what its encoding dropped.
+      bucket_bytes: fusion threshold, as in :func:`jaxcomm.allreduce_gradients`.
+      algorithm, backend: as in :func:`jaxcomm.allreduce`.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DiLoCoState`, whose
-      ``PerDevice`` parts :func:`jaxcomm.state_specs` places; init needs the axis
-      size (inside ``shard_map`` or under ``jax.set_mesh``). ``jaxcomm.get_stats``:
-      zeros between syncs, ``density`` the fraction of elements sent, ``nonfinite``
-      a non-finite pseudo-gradient (whose outer step is taken all the same).
+      An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxcomm
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-      >>> tx = jaxcomm.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True),
-      ...                     "data", sync_every=4)
+      >>> tx = jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), "data", sync_every=4)
       >>> params = {"w": jnp.zeros(3)}
       >>> with jax.set_mesh(mesh):
       ...     state = tx.init(params)
       >>> specs = jaxcomm.state_specs(state, "data")
-      >>> def loss(p, x):
-      ...     return jnp.sum((p["w"] - x) ** 2)
       >>> def step(params, state, x):
-      ...     grads = jax.grad(loss)(jaxcomm.local_params(state), x[0])
+      ...     grads = jax.grad(lambda p: jnp.sum((p["w"] - x[0]) ** 2))(jaxcomm.local_params(state))
       ...     updates, state = tx.update(grads, state, params)
       ...     return optax.apply_updates(params, updates), state
       >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
       ...                             out_specs=(P(), specs)))
-      >>> state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
       >>> x = jnp.arange(3.0 * jax.device_count()).reshape(-1, 3)  # one row per device
-      >>> x = jax.device_put(x, NamedSharding(mesh, P("data")))
+      >>> x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
       >>> collectives = []
       >>> for _ in range(4):  # one step in flight at a time
       ...     params, state = jax.block_until_ready(run(params, state, x))
       ...     collectives.append(int(jaxcomm.get_stats(state).collectives))
-      >>> collectives  # only the 4th step syncs
-      [0, 0, 0, 1]
-      >>> bool((state.local.value["w"] == params["w"]).all())  # every device adopted them
-      True
+      >>> collectives, bool((state.local.value["w"] == params["w"]).all())  # 4th syncs
+      ([0, 0, 0, 1], True)
 
     References:
       Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language
@@ -192,27 +151,19 @@ def diloco(
       Distributed Free Lunch <https://arxiv.org/abs/2501.18512>`_, 2025
     """
     _validate.check_optimizer("inner", inner)
-    if isinstance(outer, SparseOuter):
-        if error_feedback:
-            raise ValueError(
-                "error_feedback=True is for a dense outer step over a narrow wire; "
-                "jaxcomm.sparse_outer keeps its own error-feedback buffer"
-            )
-        rule = outer
-    else:
-        rule = _OptaxOuter(outer, error_feedback=bool(error_feedback))
+    rule = as_outer_step(outer, error_feedback=error_feedback)
     sync_every, fragments = check_sync_schedule(sync_every, fragments)
-    delay = check_delay(delay, sync_every)
-    mixing = _check_mixing(mixing)
+    schedule = _Schedule(sync_every, check_delay(delay, sync_every), _check_mixing(mixing))
+    delay = schedule.delay
     comm = reduction(
         axis_name,
         op="mean",
         wire_dtype=wire_dtype,
         algorithm=algorithm,
         backend=backend,
-        started=bool(delay) and isinstance(rule, _OptaxOuter),
+        started=bool(delay) and rule.can_start,
     )
-    if error_feedback and not comm.narrow:
+    if error_feedback and not comm.wire.narrow:
         raise ValueError(
             "error_feedback=True keeps what a narrow wire's encoding drops; with "
             f"wire_dtype={wire_dtype!r} nothing is dropped. Pass a 16- or 8-bit float "
@@ -221,7 +172,7 @@ def diloco(
 
     def overlapped() -> bool:
         # Decided the same way by init and update: the platform's, not the axes'.
-        return bool(delay) and isinstance(rule, _OptaxOuter) and comm.starts_async
+        return bool(delay) and rule.can_start and comm.starts_async
 
     if bucket_bytes is not None:
         bucket_bytes = _validate.check_bucket_bytes(bucket_bytes)
@@ -267,143 +218,158 @@ def diloco(
         theta = bound.default_bucket_bytes if bucket_bytes is None else bucket_bytes
         errors = per_device.local(state.error) if state.error.value else (None,) * len(spans)
         started = overlapped()
-        send = _start if started else _send
-        land = _finish if started else _land
         kept = per_device.local(state.kept) if started else (None,) * len(spans)
-        out, outer_states, new_errors, pending, new_kept = [], [], [], [], []
-        sent, wire, elements, collectives = [], [], [], []
+        pending = state.pending or (None,) * len(spans)
         rows = [None] * len(local)
-        nonfinite = jnp.bool_(False)
+        done = []
         for f, ((a, b), offset) in enumerate(zip(spans, offsets, strict=True)):
-            outer_state, error = state.outer[f], errors[f]
-            due = syncs(state.count, offset, sync_every)
-            if not delay:
-                # Between syncs neither cond copies. The first passes the outer
-                # state through and makes the update's buffers with lax.empty
-                # (unwritten on GPU, zeros on CPU; one per dtype, so XLA merges
-                # none), zeroed by the where: they cannot be the params', which
-                # the caller reads after the cond. The second passes the local
-                # rows through; a reshape after it made XLA copy them every step.
-                landed = due
-                packed, outer_state, error, bad = jax.lax.cond(
-                    due,
-                    lambda ops: _sync(ops, bound, rule, theta),
-                    _skip,
-                    (anchor[a:b], local[a:b], outer_state, error),
-                )
-            else:
-                # The collective starts at the sync (or runs there, where it
-                # cannot outlive the step); its result lands `delay` steps
-                # later. The landing reads the pending value from the sync's
-                # cond, not from the state: read by both conds, XLA copied
-                # it every step.
-                landed = applies(state.count, offset, sync_every, delay)
-                mean, error, kept_f, bad = jax.lax.cond(
-                    due,
-                    lambda ops: send(ops, bound, rule, theta),
-                    _hold,
-                    (anchor[a:b], local[a:b], error, state.pending[f], kept[f]),
-                )
-                packed, outer_state, bad_landing = jax.lax.cond(
-                    landed,
-                    lambda ops: land(ops, bound, rule),
-                    _no_landing,
-                    (anchor[a:b], mean, outer_state, kept_f),
-                )
-                bad = bad | bad_landing
-                pending.append(mean)
-                new_kept.append(kept_f)
-            unpacked = _unpack(packed, anchor[a:b])
-            u = [jnp.where(landed, x, jnp.zeros_like(x)) for x in unpacked]
-            out += u
-            # The very expression the caller's optax.apply_updates builds, so
-            # XLA computes it once and the adopted params are the caller's,
-            # bitwise. Computed inside the cond instead, XLA fused it into one
-            # kernel with the outer step's multiply and it came out 1 ulp away.
-            adopted = to_varying(optax.apply_updates(anchor[a:b], u), comm.axes)
-            rows[a:b] = jax.lax.cond(
-                landed,
-                _adopt if not mixing else lambda g, x: _mix(g, x, mixing),
-                _keep,
-                [x[None] for x in adopted],
-                [x[None] for x in local[a:b]],
+            synced = _fragment(
+                anchor[a:b],
+                local[a:b],
+                (state.outer[f], errors[f], pending[f], kept[f]),
+                due=syncs(state.count, offset, sync_every),
+                landed=applies(state.count, offset, sync_every, delay) if delay else None,
+                schedule=schedule,
+                exchange=_Exchange(bound, rule, theta, started),
             )
-            outer_states.append(outer_state)
-            new_errors.append(error)
-            payload, on_wire, count, n = rule.cost(anchor[a:b], bound, theta)
-            sent.append(jnp.where(due, payload, 0.0))
-            wire.append(jnp.where(due, on_wire, 0.0))
-            collectives.append(jnp.where(due, count, 0))
-            elements.append(jnp.where(due, n, 0))
-            nonfinite = nonfinite | bad
+            rows[a:b] = synced.rows
+            done.append(synced)
 
         stats = comm_stats.CommStats(
-            payload_bytes=jnp.asarray(sum(sent), jnp.float32),
-            bytes_sent=jnp.asarray(sum(wire), jnp.float32),
-            collectives=jnp.asarray(sum(collectives), jnp.int32),
-            density=(sum(elements) / max(sum(sizes), 1)).astype(jnp.float32),
-            nonfinite=nonfinite,
+            payload_bytes=jnp.asarray(sum(d.payload for d in done), jnp.float32),
+            bytes_sent=jnp.asarray(sum(d.bytes_sent for d in done), jnp.float32),
+            collectives=jnp.asarray(sum(d.collectives for d in done), jnp.int32),
+            density=(sum(d.elements for d in done) / max(sum(sizes), 1)).astype(jnp.float32),
+            nonfinite=functools.reduce(
+                jnp.logical_or, [d.nonfinite for d in done], jnp.bool_(False)
+            ),
         )
         new = DiLoCoState(
             local=per_device.LocalParams(treedef.unflatten(rows)),
             inner=per_device.as_row(inner_state),
-            outer=tuple(outer_states),
+            outer=tuple(d.outer for d in done),
             count=state.count + 1,
             stats=stats,
-            pending=tuple(pending),
-            error=per_device.as_row(tuple(new_errors)) if state.error.value else state.error,
-            kept=per_device.as_row(tuple(new_kept)) if started else state.kept,
+            pending=tuple(d.pending for d in done) if delay else (),
+            error=(
+                per_device.as_row(tuple(d.error for d in done))
+                if state.error.value
+                else state.error
+            ),
+            kept=per_device.as_row(tuple(d.kept for d in done)) if started else state.kept,
         )
-        return treedef.unflatten(out), new
+        return treedef.unflatten([x for d in done for x in d.updates]), new
 
     return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))
 
 
-class _OptaxOuter:
-    """DiLoCo's outer step: any optax optimizer on the averaged pseudo-gradient,
-    which travels dense, in ``bucket_bytes`` buckets (:func:`jaxcomm.allreduce`)."""
+class _Schedule(NamedTuple):
+    """The checked timing options: H, tau and alpha."""
 
-    def __init__(self, outer, *, error_feedback: bool = False):
-        _validate.check_optimizer("outer", outer)
-        self.outer = outer
-        self.error_feedback = error_feedback
+    sync_every: int
+    delay: int
+    mixing: float
 
-    def init(self, leaves):
-        return self.outer.init(leaves)
 
-    def init_error(self, parts, comm):
-        """Per fragment, per device: what the wire dropped at its last sync."""
-        if not self.error_feedback:
-            return per_device.PerDevice(())
-        return per_device.per_device_zeros(
-            tuple(list(part) for part in parts), comm, "error feedback"
+class _Exchange(NamedTuple):
+    """How a fragment's sync travels: the bound reduction, the outer step,
+    the bucket bytes, and whether the exchange overlaps the steps between."""
+
+    bound: Any
+    rule: OuterStep
+    theta: float
+    started: bool
+
+
+class _Synced(NamedTuple):
+    """One fragment's step: its updates and local rows, its new state parts
+    (outer state, error buffers, pending, kept) and what it sent."""
+
+    updates: list
+    rows: list
+    outer: Any
+    error: Any
+    pending: Any
+    kept: Any
+    payload: jax.Array
+    bytes_sent: jax.Array
+    collectives: jax.Array
+    elements: jax.Array
+    nonfinite: jax.Array
+
+
+def _fragment(anchor, local, carried, *, due, landed, schedule, exchange) -> _Synced:
+    """One fragment's part of diloco's update: its sync where `due`, its outer
+    step where it lands (`landed`, ``None`` without a delay: at the sync),
+    and its local rows adopted, mixed or kept.
+
+    `anchor`, `local`: the fragment's global and local leaves; `carried`: its
+    (outer state, error buffers, pending, kept) from the state.
+    """
+    bound, rule, theta, started = exchange
+    outer_state, error, pending, kept = carried
+    if landed is None:
+        # Between syncs neither cond copies. The first passes the outer
+        # state through and makes the update's buffers with lax.empty
+        # (unwritten on GPU, zeros on CPU; one per dtype, so XLA merges
+        # none), zeroed by the where: they cannot be the params', which
+        # the caller reads after the cond. The second passes the local
+        # rows through; a reshape after it made XLA copy them every step.
+        landed = due
+        packed, outer_state, error, bad = jax.lax.cond(
+            due,
+            lambda ops: _sync(ops, bound, rule, theta),
+            _skip,
+            (anchor, local, outer_state, error),
         )
-
-    def outgoing(self, anchor, local, error, bound):
-        """What this device sends: params - local, plus what the wire dropped
-        last time; and the error buffers after this send (None without
-        error feedback). A non-finite value keeps the old buffer."""
-        delta = [g - x for g, x in zip(anchor, local, strict=True)]
-        if error is None:
-            return delta, None
-        sent = [d + e for d, e in zip(delta, error, strict=True)]
-        bad = comm_stats.any_nonfinite(sent)
-        return sent, [
-            jnp.where(bad, e, bound.cast_error(x)) for x, e in zip(sent, error, strict=True)
-        ]
-
-    def reduce(self, anchor, local, error, bound, theta):
-        sent, error = self.outgoing(anchor, local, error, bound)
-        return reduce_in_buckets(sent, bound, theta)[0], error
-
-    def step(self, mean, outer_state, anchor):
-        return self.outer.update(mean, outer_state, anchor)
-
-    def cost(self, anchor, bound, theta):
-        """(payload bytes, bytes on the wire, collectives, elements) of a sync."""
-        buckets = leaf_buckets(anchor, theta)
-        payload = buckets_payload(anchor, buckets, bound)
-        return payload, bound.bytes_sent(payload), len(buckets), sum(map(np.size, anchor))
+    else:
+        # The collective starts at the sync (or runs there, where it
+        # cannot outlive the step); its result lands `delay` steps
+        # later. The landing reads the pending value from the sync's
+        # cond, not from the state: read by both conds, XLA copied
+        # it every step.
+        send, land = (_start, _finish) if started else (_send, _land)
+        pending, error, kept, bad = jax.lax.cond(
+            due,
+            lambda ops: send(ops, bound, rule, theta),
+            _hold,
+            (anchor, local, error, pending, kept),
+        )
+        packed, outer_state, bad_landing = jax.lax.cond(
+            landed,
+            lambda ops: land(ops, bound, rule),
+            _no_landing,
+            (anchor, pending, outer_state, kept),
+        )
+        bad = bad | bad_landing
+    u = [jnp.where(landed, x, jnp.zeros_like(x)) for x in _unpack(packed, anchor)]
+    # The very expression the caller's optax.apply_updates builds, so
+    # XLA computes it once and the adopted params are the caller's,
+    # bitwise. Computed inside the cond instead, XLA fused it into one
+    # kernel with the outer step's multiply and it came out 1 ulp away.
+    adopted = to_varying(optax.apply_updates(anchor, u), bound.reduction.axes)
+    mixing = schedule.mixing
+    rows = jax.lax.cond(
+        landed,
+        _adopt if not mixing else lambda g, x: _mix(g, x, mixing),
+        _keep,
+        [x[None] for x in adopted],
+        [x[None] for x in local],
+    )
+    payload, on_wire, count, n = rule.cost(anchor, bound, theta)
+    return _Synced(
+        updates=u,
+        rows=rows,
+        outer=outer_state,
+        error=error,
+        pending=pending,
+        kept=kept,
+        payload=jnp.where(due, payload, 0.0),
+        bytes_sent=jnp.where(due, on_wire, 0.0),
+        collectives=jnp.where(due, count, 0),
+        elements=jnp.where(due, n, 0),
+        nonfinite=bad,
+    )
 
 
 def _sync(operands, bound, rule, theta):
@@ -414,7 +380,7 @@ def _sync(operands, bound, rule, theta):
     """
     anchor, local, outer_state, error = operands
     mean, error = rule.reduce(anchor, local, error, bound, theta)
-    u, outer_state = rule.step(mean, outer_state, anchor)
+    u, outer_state = rule.apply(mean, outer_state, anchor)
     return _pack(u), outer_state, error, comm_stats.any_nonfinite(mean)
 
 
@@ -457,7 +423,7 @@ def _land(operands, bound, rule):
     """A delayed outer step: the pending average, stepped from params."""
     del bound
     anchor, pending, outer_state, _ = operands
-    u, outer_state = rule.step(pending, outer_state, anchor)
+    u, outer_state = rule.apply(pending, outer_state, anchor)
     return _pack(u), outer_state, jnp.bool_(False)
 
 
@@ -487,7 +453,7 @@ def _finish(operands, bound, rule):
             )
         )
     mean = _unpack(done, anchor)
-    u, outer_state = rule.step(mean, outer_state, anchor)
+    u, outer_state = rule.apply(mean, outer_state, anchor)
     return _pack(u), outer_state, comm_stats.any_nonfinite(mean)
 
 

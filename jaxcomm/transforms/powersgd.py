@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from jaxcomm import _flat, _validate
-from jaxcomm.collectives import reduction, varying_axes
+from jaxcomm.collectives import over_shards, reduction, varying_axes
 from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import reduce_in_buckets
@@ -94,46 +94,32 @@ def powersgd(
     Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`,
     inside ``jax.shard_map`` or ``jax.pmap``. A leaf of ``ndim >= 2`` is a matrix
     M of shape ``(shape[0], prod(shape[1:]))``, compressed at rank ``r = min(rank,
-    rows, cols)`` (without ``rank``: ``max(1, min(rows, cols) // 4)``) when ``mask``
-    allows it and ``(rows + cols) * r * min_compression_rate <= rows * cols``. The
-    default ``mask="auto"`` keeps dense a matrix whose first dimension is no
-    dimension of any other matrix of the tree (an embedding or position table, or
-    a first layer over raw inputs: a sum of one outer product per token, far from
-    low rank), where the tree has two matrices or more. The first ``start_step``
-    steps are dense. Each compressed step, for each M, with ``e`` this device's
-    residual, ``Q`` the last step's factor and ``mean`` over the devices::
+    rows, cols)`` when ``mask`` allows it and ``(rows + cols) * r *
+    min_compression_rate <= rows * cols``. After ``start_step`` dense steps, for
+    each M, with ``e`` this device's residual, ``Q`` the last step's factor and
+    ``mean`` over the devices::
 
       M <- g + e;   P <- gram_schmidt(mean(M Q));   Q <- mean(M^T P)
       out = P Q^T (the same on every device);       e <- M - P Q^T
 
-    The other leaves are averaged densely: three collectives a step (every P,
-    every Q, the dense leaves). This is PyTorch DDP's PowerSGD hook but for two
-    edge cases: see docs/powersgd.md and docs/design.md, "PowerSGD".
+    Other leaves go dense (three collectives a step); docs/powersgd.md has more.
 
     Args:
       axis_name: mesh or pmap axis name(s), as in :func:`jaxcomm.allreduce`.
-      rank: columns of P and Q, a positive int; ``None`` (default): ``min(rows,
-        cols) // 4`` per matrix, at least 1.
-      start_step: steps averaged densely before compression starts, an int >= 0
-        (default 50).
-      min_compression_rate: compress only where the factors are this many times
-        smaller than the matrix; > 0.
+      rank: columns of P and Q, > 0; ``None``: ``min(rows, cols) // 4``, at least 1.
+      start_step: steps averaged densely before compression starts, >= 0.
+      min_compression_rate: compress where the factors are this many times smaller.
       error_feedback: keep ``e`` per device and add it to the next step's gradient.
-      warm_start: start each step from the last step's Q (zero columns redrawn).
-      seed: seed of the standard normal Q draws, ``fold_in(key(seed), step)``, >= 0.
-      mask: ``"auto"`` (the rule above), ``None`` (every matrix may be compressed),
-        or (as optax's ``mask``) a pytree of bools or a callable of the
-        params/gradients giving one: False keeps a leaf dense.
+      warm_start, seed: start from the last step's Q; seed of the draws of new Q columns.
+      mask: ``"auto"`` (an embedding-like matrix stays dense: docs/powersgd.md),
+        ``None`` (any matrix), or as optax's ``mask``: False keeps a leaf dense.
       wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every collective;
         the factors are computed in float32 (float64 for float64 gradients).
-      algorithm: as in :func:`jaxcomm.allreduce`.
-      backend: ``"auto"``, ``"xla"`` or ``"ffi"``, as in :func:`jaxcomm.allreduce`.
+      algorithm, backend: as in :func:`jaxcomm.allreduce`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`;
-      ``jaxcomm.get_stats(state).density`` is the bytes sent over a dense step's. A
-      non-finite result is returned as it is and flagged on every device, and the
-      state is kept, so a step that ``optax.apply_if_finite`` skips leaves no trace.
+      ``get_stats(state).density``: bytes sent over a dense step's.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
@@ -145,23 +131,18 @@ def powersgd(
       ...     state = tx.init(params)
       >>> specs = jaxcomm.state_specs(state, "data")
       >>> def step(params, state, g):
-      ...     g = jax.tree.map(lambda x: x[0], g)  # this device's gradient
-      ...     updates, state = tx.update(g, state, params)
+      ...     updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state, params)
       ...     return optax.apply_updates(params, updates), state
       >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
       ...                             out_specs=(P(), specs)))
       >>> rng = np.random.default_rng(0)
       >>> g = {k: rng.standard_normal((jax.device_count(), *v.shape), np.float32)
       ...      for k, v in params.items()}
-      >>> g = jax.device_put(g, jax.sharding.NamedSharding(mesh, P("data")))
-      >>> state = jax.device_put(state, jax.tree.map(
-      ...     lambda s: jax.sharding.NamedSharding(mesh, s), specs))
+      >>> g = jax.device_put(g, jax.NamedSharding(mesh, P("data")))
       >>> params, state = run(params, state, g)
       >>> stats = jaxcomm.get_stats(state)
-      >>> int(stats.collectives)  # P, Q, and the bias
-      3
-      >>> round(float(stats.density), 4)  # (2 * (64 + 32) + 32) / (64 * 32 + 32)
-      0.1077
+      >>> int(stats.collectives), round(float(stats.density), 4)  # P, Q, the bias
+      (3, 0.1077)
 
     References:
       Vogels, Karimireddy and Jaggi, `PowerSGD: Practical Low-Rank Gradient
@@ -521,13 +502,13 @@ def _power_step(leaves, residual, state, seed, mats, dtype, bound, error_feedbac
     )
 
     ps = [
-        _psum(jnp.matmul(mm, q, precision=_PRECISION), m.col_axes)
+        over_shards.psum(jnp.matmul(mm, q, precision=_PRECISION), m.col_axes)
         for mm, q, m in zip(ms, q0, mats, strict=True)
     ]
     ps = bound.allreduce_bucket(ps)
     ps = [_orthonormal_rows_block(p, m.row_axes) for p, m in zip(ps, mats, strict=True)]
     qs = [
-        _psum(jnp.matmul(mm.T, p, precision=_PRECISION), m.row_axes)
+        over_shards.psum(jnp.matmul(mm.T, p, precision=_PRECISION), m.row_axes)
         for mm, p, m in zip(ms, ps, mats, strict=True)
     ]
     qs = bound.allreduce_bucket(qs)
@@ -555,16 +536,12 @@ def _orthonormal_columns(p):
     return q * jnp.where(diagonal < 0, -1, 1).astype(q.dtype) * (diagonal != 0).astype(q.dtype)
 
 
-def _psum(x, axes: tuple):
-    return jax.lax.psum(x, axes) if axes else x
-
-
 def _orthonormal_rows_block(p, axes: tuple):
     """:func:`_orthonormal_columns` of P whose rows are split over `axes`:
     this device's rows of the result."""
     if not axes:
         return _orthonormal_columns(p)
-    whole = jax.lax.all_gather(p, axes, axis=0, tiled=True)
+    whole = over_shards.all_gather(p, axes)
     return _block(_orthonormal_columns(whole), axes, p.shape[0])
 
 

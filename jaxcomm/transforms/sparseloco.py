@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from jaxcomm import _validate
 from jaxcomm.collectives import to_varying, varying_axes
 from jaxcomm.state import per_device
 from jaxcomm.transforms._buckets import buckets_payload, leaf_buckets, reduce_in_buckets
+from jaxcomm.transforms.diloco import diloco
+from jaxcomm.transforms.outer_step import OuterStep
 
 INDEX_BYTES = 2  # a position within a chunk, as uint16: chunk_size <= 65536
 SCALE_BYTES = 4  # a float32 scale per chunk
@@ -78,9 +81,13 @@ def choose_exchange(payload: float, dense_bytes: float, devices: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class SparseOuter:
+class SparseOuter(OuterStep):
     """SparseLoCo's outer step, for :func:`jaxcomm.diloco`'s ``outer``; made by
-    :func:`sparse_outer`, which documents the fields."""
+    :func:`sparse_outer`, which documents the fields. It keeps its own error
+    feedback, and its all-gather finishes within the sync step."""
+
+    name: ClassVar[str] = "jaxcomm.sparse_outer"
+    can_start: ClassVar[bool] = False
 
     learning_rate: float
     density: float
@@ -89,7 +96,7 @@ class SparseOuter:
     error_decay: float
     exchange: str
 
-    # -- the rule diloco runs on each fragment (its leaves as lists) ---------
+    # -- the OuterStep diloco runs on each fragment (its leaves as lists) -----
 
     def init(self, leaves):
         del leaves
@@ -99,7 +106,7 @@ class SparseOuter:
         zeros = tuple([jnp.zeros(jnp.shape(x), jnp.float32) for x in part] for part in parts)
         return per_device.per_device_copies(zeros, comm, "error feedback", like=tuple(parts))
 
-    def step(self, mean, outer_state, anchor):
+    def apply(self, mean, outer_state, anchor):
         del anchor
         return [(-self.learning_rate * m).astype(m.dtype) for m in mean], outer_state
 
@@ -197,10 +204,7 @@ class SparseOuter:
                 or [jnp.zeros(0, jnp.uint8)]
             )
             axes = bound.reduction.axes
-            # Typed as the same on every device where types say so (shard_map).
-            typed = set(axes) <= set(varying_axes(blob))
-            to = "invarying" if typed else "varying"
-            gathered = jax.lax.all_gather(blob, axes, tiled=False, to=to)
+            gathered = bound.all_gather(blob)
             shapes = [
                 (jnp.shape(picks[i][0]), jnp.shape(acc[i]), self._length(acc[i])) for i in indices
             ]
@@ -370,7 +374,8 @@ def sparseloco(
         as in :func:`sparse_outer`.
       fragments, delay, mixing: as in :func:`jaxcomm.diloco`.
       wire_dtype, bucket_bytes, algorithm, backend: of the dense exchange's
-        allreduce, as in :func:`jaxcomm.diloco`; the all-gather is ``lax.all_gather``.
+        allreduce, as in :func:`jaxcomm.diloco`; the all-gather is the backend's
+        (:meth:`jaxcomm.collectives.BoundReduction.all_gather`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`jaxcomm.transforms.diloco.DiLoCoState`.
@@ -383,8 +388,6 @@ def sparseloco(
       Sarfi et al., `Communication Efficient LLM Pre-training with SparseLoCo
       <https://arxiv.org/abs/2508.15706>`_, 2025
     """
-    from jaxcomm.transforms.diloco import diloco
-
     outer = sparse_outer(
         learning_rate=learning_rate,
         density=density,

@@ -88,7 +88,7 @@ def resolve(backend, *, masked: bool = False, wire, started: bool = False) -> Ba
     if backend == "auto":
         single = jax.process_count() == 1
         cpu_ffi = platform == "cpu" and _extension.available("cpu")
-        if started and not wire.scaled and cpu_ffi:
+        if started and wire.can_start and cpu_ffi:
             return CpuFfiBackend()
         if _prefers_ffi(masked, wire) and single and cpu_ffi:
             return CpuFfiBackend()

@@ -87,6 +87,12 @@ class Backend:
         """[N, size]: every device's `flat`, in rank order."""
         raise NotImplementedError(f"backend {self.name!r} has no all_gather")
 
+    def all_gather_rows(self, bound, x, *, to: str):
+        """[N, *x.shape]: every device's `x` (of any dtype: bytes too), in
+        rank order, typed as `to` says (``"invarying"``: the same on every
+        device, ``"varying"``). XLA's all-gather unless a backend has its own."""
+        return jax.lax.all_gather(x, bound.reduction.axes, tiled=False, to=to)
+
     # An allreduce split in two calls, the second in a later execution of the
     # program: the exchange runs while the devices compute other steps.
     starts_async = False

@@ -13,6 +13,7 @@ from jaxcomm import _jax_compat
 from jaxcomm.collectives import _fp8, _quantized, _xla
 from jaxcomm.collectives._linear import linear_collective
 from jaxcomm.collectives.backends.base import Backend
+from jaxcomm.collectives.wire import Wire
 
 # One schedule per resolved algorithm, as nccl-tests keeps one function per
 # collective: (flat, place, wire, prescale, postscale, parts) -> reduced.
@@ -23,7 +24,7 @@ _SCHEDULES = {
         v, place, w, pre, post
     ),
     _fp8.ALGORITHM: lambda v, place, w, pre, post, parts: (
-        _quantized.allreduce if w in _quantized.WIRES else _fp8.allreduce
+        _quantized.allreduce if Wire.of(w).quantized else _fp8.allreduce
     )(v, place, w, pre, post, parts),
 }
 
