@@ -12,7 +12,6 @@ drops) and hands every operation to its backend (backends/).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -111,10 +110,12 @@ class Reduction:
         `mesh`, the current mesh's axes count too (a transform's init)."""
         check_bound(self.axes, mesh=mesh)
 
-    @functools.cached_property
+    @property
     def resolved_backend(self) -> Backend:
-        """The backend that runs here, decided once (on first use, at trace
-        time: it needs the platform, not the axes)."""
+        """The backend that runs here: the one place that finishes the choice
+        ``reduction()`` made. Not cached: it needs the platform, which may
+        differ from one trace of the same transform to the next (a CPU and a
+        GPU computation in one process)."""
         return backends.resolve(
             self.backend, masked=self.masked, wire=self.wire, started=self.started
         )
