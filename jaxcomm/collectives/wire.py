@@ -82,6 +82,38 @@ class Wire:
         """A 16-, 8- or 4-bit wire: it rounds float32 values (what error feedback keeps)."""
         return self.dtype is not None and self.dtype.itemsize < 4
 
+    def check_error_feedback(self, error_feedback, *, encoded: bool = False, given=None) -> None:
+        """Raises ValueError where `error_feedback` is asked of a wire that is
+        not narrow: error feedback keeps what the wire's rounding drops, and
+        a wider wire drops nothing.
+
+        Args:
+          error_feedback: the transform's option.
+          encoded: the wire carries an encoded difference (diloco's outer
+            step), named in the message as `given`, the wire_dtype passed.
+
+        Examples:
+          >>> from jaxcomm.collectives import Wire
+          >>> Wire.of("bfloat16").check_error_feedback(True)
+          >>> Wire.of(None).check_error_feedback(True)  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          ValueError: error_feedback=True keeps what a narrow wire cast drops; ... got None
+        """
+        if not error_feedback or self.narrow:
+            return
+        if encoded:
+            raise ValueError(
+                "error_feedback=True keeps what a narrow wire's encoding drops; with "
+                f"wire_dtype={given!r} nothing is dropped. Pass a 16- or 8-bit float "
+                "or an integer wire_dtype, or leave error_feedback off"
+            )
+        raise ValueError(
+            "error_feedback=True keeps what a narrow wire cast drops; "
+            "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+            f"int8 or int4), got {self.name}"
+        )
+
     @property
     def fp8(self) -> bool:
         """An 8-bit float wire, scaled per device and part (see _fp8.py)."""

@@ -115,14 +115,7 @@ def allreduce_gradients(
     comm = reduction(axis_name, op=op, wire_dtype=wire_dtype, algorithm=algorithm, backend=backend)
     if bucket_bytes is not None:
         check_bucket_bytes(bucket_bytes)
-    if error_feedback and not comm.wire.narrow:
-        wire = comm.wire_dtype
-        raise ValueError(
-            "error_feedback=True keeps what a narrow wire cast drops; "
-            "it needs a narrow wire_dtype (float16, bfloat16, float8_e4m3fn, float8_e5m2, "
-            "int8 or int4), "
-            f"got {None if wire is None else wire.name}"
-        )
+    comm.wire.check_error_feedback(error_feedback)
     scale_back = comm.wire.scales_back(op)
     comm = comm.with_op(comm.wire.collective_op(op))
 

@@ -163,12 +163,7 @@ def diloco(
         backend=backend,
         started=bool(delay) and rule.can_start,
     )
-    if error_feedback and not comm.wire.narrow:
-        raise ValueError(
-            "error_feedback=True keeps what a narrow wire's encoding drops; with "
-            f"wire_dtype={wire_dtype!r} nothing is dropped. Pass a 16- or 8-bit float "
-            "or an integer wire_dtype, or leave error_feedback off"
-        )
+    comm.wire.check_error_feedback(error_feedback, encoded=True, given=wire_dtype)
 
     def overlapped() -> bool:
         # Decided the same way by init and update: the platform's, not the axes'.
