@@ -8,6 +8,7 @@ from jaxcomm.transforms.allreduce_gradients import AllReduceGradientsState, allr
 from jaxcomm.transforms.chunk_sparse import ChunkSparseState, chunk_sparse
 from jaxcomm.transforms.diloco import DiLoCoState, diloco
 from jaxcomm.transforms.double_buffered import DoubleBufferedState, double_buffered
+from jaxcomm.transforms.outer_step import OptaxOuter, OuterStep
 from jaxcomm.transforms.powersgd import PowerSGDState, powersgd
 from jaxcomm.transforms.sparseloco import SparseOuter, sparse_outer, sparseloco
 
@@ -18,6 +19,8 @@ __all__ = [
     "ChunkSparseState",
     "DiLoCoState",
     "DoubleBufferedState",
+    "OptaxOuter",
+    "OuterStep",
     "CommStats",
     "PerDevice",
     "PowerSGDState",

@@ -66,6 +66,11 @@ def as_outer_step(outer, *, error_feedback: bool) -> OuterStep:
       ValueError: `error_feedback` with an OuterStep, which keeps its own.
     """
     if isinstance(outer, OuterStep):
+        if error_feedback and isinstance(outer, OptaxOuter):
+            raise ValueError(
+                "error_feedback=True with an OptaxOuter: build it as OptaxOuter(optimizer, "
+                "error_feedback=True), or pass the optax optimizer itself as outer="
+            )
         if error_feedback:
             raise ValueError(
                 "error_feedback=True is for a dense outer step over a narrow wire; "
