@@ -53,8 +53,8 @@ def local_params(opt_state, like=None):
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=_holds) if _holds(s)]
     if len(found) != 1:
         raise ValueError(
-            "expected one state that keeps each device's params (a LocalParams field: "
-            f"jaxcomm.diloco's, jaxcomm.double_buffered's) in the state, found {len(found)}"
+            "expected one diloco or double_buffered state (a state with a LocalParams "
+            f"field) in the state, found {len(found)}"
         )
     held = next(v for v in found[0] if isinstance(v, LocalParams))
     rows = {jnp.shape(x)[0] for x in jax.tree.leaves(held.value)}
