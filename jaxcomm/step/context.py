@@ -24,14 +24,16 @@ def current_axis():
 
 def local_params_states() -> tuple:
     """The optimizer states of the step being traced that keep each device's
-    params (a ``LocalParams`` field), or ()."""
-    return _AT_LOCAL.get()
+    params (a ``LocalParams`` field), or (): read when asked, so a step that
+    updates its optimizer and differentiates again sees the new ones."""
+    return tuple(optimizer.opt_state for optimizer in _AT_LOCAL.get())
 
 
 @contextlib.contextmanager
 def step_context(axis_name, at_local: tuple = ()):
     """Inside the block, `axis_name` is the step's data axis and `at_local`
-    the optimizer states that keep each device's params."""
+    the optimizers (objects with an ``opt_state``) that keep each device's
+    params."""
     tokens = (_STEP_AXIS.set(axis_name), _AT_LOCAL.set(tuple(at_local)))
     try:
         yield

@@ -117,9 +117,7 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         for i in range(nargs):
             args.append(objects[nodes.index(i)] if i in nodes else next(others))
         # diloco's and double_buffered's gradient is taken at each device's own params.
-        at_local = [
-            o.opt_state for o in objects if holds_local_params(getattr(o, "opt_state", None))
-        ]
+        at_local = [o for o in objects if holds_local_params(getattr(o, "opt_state", None))]
         with (
             step_context(axis, at_local),
             _device_rngs(objects, axis),
