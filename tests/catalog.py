@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import optax
-from toy_transform import scaled_sign
 
 import jaxcomm
+from tests.toy_transform import scaled_sign
 
 
 # The inner optimizers, named so that tests can share a reference run per inner.

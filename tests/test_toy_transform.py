@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import optax
 from harness import mesh_of, random_grads, run_as_users_do
-from toy_transform import scaled_sign
 
 import jaxcomm
+from tests.toy_transform import scaled_sign
 
 SHAPES = {"w": (5, 3), "b": (3,)}
 
