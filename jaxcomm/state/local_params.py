@@ -28,9 +28,14 @@ def _transform(state_type) -> str:
     return state_type.__module__.rsplit(".", 1)[-1]
 
 
+def _holders(tree) -> list:
+    """The states in `tree` with a LocalParams field."""
+    return [s for s in jax.tree.leaves(tree, is_leaf=_holds) if _holds(s)]
+
+
 def holds_local_params(tree) -> bool:
     """Whether `tree` (an optimizer state) holds a state with a LocalParams field."""
-    return any(_holds(s) for s in jax.tree.leaves(tree, is_leaf=_holds))
+    return bool(_holders(tree))
 
 
 def local_params(opt_state, like=None):
@@ -50,7 +55,7 @@ def local_params(opt_state, like=None):
         ``nnx.state(model, nnx.Param)``); the values come back in it, so
         ``nnx.merge`` takes them as the model's params.
     """
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_holds) if _holds(s)]
+    found = _holders(opt_state)
     if len(found) != 1:
         raise ValueError(
             "expected one diloco or double_buffered state (a state with a LocalParams "
