@@ -157,7 +157,7 @@ def test_multi_steps_with_state_built_like_any_transform_is_refused():
     tx = optax.MultiSteps(optax.chain(jaxcomm.allreduce_gradients("data"), ADAMW()), 2)
     with jax.set_mesh(jax.make_mesh((8,), ("data",))):
         state = tx.init(_params())
-    with pytest.raises(ValueError, match=r"MultiSteps.*no device axis.*jaxcomm.accumulate"):
+    with pytest.raises(ValueError, match=r"MultiSteps.*no row per device.*jaxcomm.accumulate"):
         jaxcomm.state_specs(state, "data")
 
 

@@ -11,6 +11,7 @@ ordinary arrays sharded over the reduction axes (see
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -99,7 +100,34 @@ def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) 
         r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
         return r if bound else place(r, P(row, *(placed_spec(model) or ())))
 
-    return PerDevice(jax.tree.map(copies, tree, tree if like is None else like))
+    return PerDevice(
+        _with_row_axis(jax.tree.map(copies, tree, tree if like is None else like), row)
+    )
+
+
+def _with_row_axis(tree, row):
+    """`tree` with Flax's partitioning metadata (an NNX Variable's
+    ``out_sharding``, a Linen ``Partitioned`` box's names), which the rows
+    inherited from their params, given the leading row axis: Flax places
+    state by that metadata (``nnx.Optimizer``, ``nn.get_partition_spec``),
+    and a param's names on the rows would split the row axis over a model
+    axis."""
+    if "flax" not in sys.modules:  # no Flax: no boxes
+        return tree
+    from flax import nnx
+    from flax.core import meta
+
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            sharding = x.get_metadata().get("out_sharding")
+            return x.replace(out_sharding=(row, *sharding)) if sharding else x
+        if isinstance(x, meta.AxisMetadata):
+            return x.add_axis(0, {meta.PARTITION_NAME: row})
+        return x
+
+    return jax.tree.map(
+        one, tree, is_leaf=lambda x: isinstance(x, (nnx.Variable, meta.AxisMetadata))
+    )
 
 
 def local(per_device: PerDevice):
@@ -121,6 +149,56 @@ def placed_spec(x) -> tuple | None:
         return None
     spec = tuple(sharding.spec)
     return spec + (None,) * (len(jnp.shape(x)) - len(spec))
+
+
+def declared_specs(tree) -> list:
+    """Each leaf's placement (:func:`placed_spec`), in ``jax.tree.leaves``
+    order, where the leaf is a placed array; inside a trace (``tx.init``
+    under ``jit``, as a model sharded by ``out_shardings`` is built), the
+    spec its Flax metadata declares: an NNX Variable's ``out_sharding``, a
+    Linen ``Partitioned`` box's names, logical names through the active
+    rules. None where neither says."""
+    boxes = _flax_boxes()
+    out = []
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, boxes)):
+        inner = jax.tree.leaves(node) if isinstance(node, boxes) else [node]
+        for x in inner:
+            spec = placed_spec(x)
+            if spec is None and isinstance(node, boxes):
+                spec = _box_spec(node, len(jnp.shape(x)))
+            out.append(spec)
+    return out
+
+
+def _flax_boxes() -> tuple:
+    """Flax's metadata types, where Flax is in use (else nothing to read)."""
+    if "flax" not in sys.modules:
+        return ()
+    from flax import nnx
+    from flax.core import meta
+
+    return (nnx.Variable, meta.AxisMetadata)
+
+
+def _box_spec(box, ndim: int) -> tuple | None:
+    from flax import nnx
+    from flax.core import meta
+
+    if isinstance(box, nnx.Variable):
+        if not box.get_metadata().get("out_sharding"):
+            return None
+        from flax.nnx import spmd
+
+        spec = tuple(spmd.get_var_pspec(box))
+    elif isinstance(box, meta.LogicallyPartitioned):
+        from flax import linen
+
+        spec = tuple(linen.logical_to_mesh_axes(box.names, box.rules))
+    elif isinstance(box, meta.Partitioned):
+        spec = tuple(box.names)
+    else:
+        return None
+    return spec + (None,) * (ndim - len(spec))
 
 
 def place(x, spec: P):

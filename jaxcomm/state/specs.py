@@ -32,7 +32,7 @@ def state_specs(opt_state, axis_name, *, axis_names=None):
 
     ``optax.MultiSteps`` around a jaxcomm transform accumulates each device's
     local gradient, so its ``acc_grads`` get ``P(axis_name)`` too; built
-    without a device axis (``tx.init`` outside ``shard_map``) it is refused,
+    without a row per device (``tx.init`` outside ``shard_map``) it is refused,
     naming :func:`jaxcomm.accumulate`, which also sends once per k steps.
     ``optax.apply_if_finite`` around a jaxcomm transform is refused (it goes
     after it: docs/compose.md).
@@ -127,7 +127,7 @@ def _check_wrappers(opt_state, axis_name) -> None:
                 raise ValueError(
                     f"optax.MultiSteps around a jaxcomm transform (opt_state"
                     f"{jax.tree_util.keystr(path)}): its accumulator holds each device's own "
-                    "gradient but was built with no device axis (tx.init outside shard_map), "
+                    "gradient but is shaped like the params, with no row per device, "
                     "and MultiSteps runs the jaxcomm collective on every micro-step anyway. "
                     f"Use jaxcomm.accumulate(chain, {axis_name!r}, every_k=k) in its place: "
                     "it sends once per k micro-steps and builds its state like any jaxcomm "

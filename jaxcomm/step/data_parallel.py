@@ -37,6 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import varying_axes
 from jaxcomm.state import holds_local_params, is_nnx_object, placed_spec, spec_axes, state_specs
+from jaxcomm.state.per_device import only
+from jaxcomm.step.constraints import over_model_axes
 from jaxcomm.step.context import step_context
 
 
@@ -81,8 +83,8 @@ def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
         raise TypeError(f"axis_name must be one mesh axis name (a str), got {axis_name!r}")
     compiled = {}
 
-    @functools.wraps(fun)
-    def step(*args):
+    def prepared(args):
+        """(the compiled step for `args`, its inputs, the NNX arguments)."""
         on = _mesh(mesh, args, axis_name)
         nodes = tuple(i for i, a in enumerate(args) if is_nnx_object(a))
         graphdef, state = _split(tuple(args[i] for i in nodes))
@@ -91,27 +93,48 @@ def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
             state_specs(state, axis_name, axis_names={axis_name}) if nodes else (),
             jax.tree.map(lambda x: _batch_spec(x, on, axis_name), rest),
         )
-        key = (graphdef, nodes, len(args), jax.tree.structure(rest), _flat(in_specs), on)
         state, rest = _placed((state, rest), in_specs, on)
+        model = _model_specs((state, rest), on, axis_name)
+        key = (graphdef, nodes, len(args), jax.tree.structure(rest), _flat(in_specs), on, model)
         if key not in compiled:
             compiled[key] = _compile(
-                fun, graphdef, nodes, len(args), in_specs, on, axis_name, state, rest
+                fun, graphdef, nodes, len(args), (in_specs, model), on, axis_name, state, rest
             )
-        out, new_state = compiled[key](state, rest)
-        if nodes:
+        return compiled[key], (state, rest), tuple(args[i] for i in nodes)
+
+    @functools.wraps(fun)
+    def step(*args):
+        run, inputs, objects = prepared(args)
+        out, new_state = run(*inputs)
+        if objects:
             from flax import nnx
 
-            nnx.update(tuple(args[i] for i in nodes), new_state)
+            nnx.update(objects, new_state)
         return out
 
+    def lower(*args):
+        """The step for `args` lowered, as ``jax.jit(...).lower`` gives it (to
+        read its HLO); the arguments are not updated."""
+        run, inputs, _ = prepared(args)
+        return run.lower(*inputs)
+
+    step.lower = lower
     return step
 
 
-def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
-    """The jitted shard_map of the step; its out_specs come from tracing it once."""
+def _compile(fun, graphdef, nodes, nargs, specs, mesh, axis, state, rest):
+    """The jitted shard_map of the step; its out_specs come from tracing it once.
+    `specs`: the arguments' specs over the data axis, and their placements
+    over the mesh's other Auto axes (:func:`_model_specs`)."""
+    in_specs, model = specs
     found = {}
 
     def body(state, rest):
+        placed = [
+            (x, spec)
+            for x, spec in zip(jax.tree.leaves((state, rest)), model[1], strict=True)
+            if spec
+        ]
         objects = _merge(graphdef, state)
         args, others = [], iter(_device_keys(rest, in_specs[1], axis))
         for i in range(nargs):
@@ -119,11 +142,12 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         # diloco's and double_buffered's gradient is taken at each device's own params.
         at_local = [o for o in objects if holds_local_params(getattr(o, "opt_state", None))]
         with (
-            step_context(axis, at_local),
+            step_context(axis, at_local, placed),
             _device_rngs(objects, axis),
             _global_batch_norm(objects, axis),
+            over_model_axes(axis),
         ):
-            out = _run(fun, args)
+            out = _run(fun, args, axis)
         new_graphdef, new_state = _split(objects)
         if new_graphdef != graphdef:
             raise ValueError(
@@ -144,18 +168,45 @@ def _compile(fun, graphdef, nodes, nargs, in_specs, mesh, axis, state, rest):
         state,
         rest,
     )
-    return jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=found["out_specs"], axis_names={axis}
-        )
+    run = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=found["out_specs"], axis_names={axis}
     )
+    if not any(model[1]):
+        return jax.jit(run)
+
+    def kept(state, rest):
+        # The state leaves as placed over the other Auto axes, which XLA would
+        # otherwise choose anew (a replicated bias coming back split).
+        out, new_state = run(state, rest)
+        placements = model[0][: len(jax.tree.leaves(new_state))]
+        data_specs = jax.tree.leaves(found["out_specs"][1], is_leaf=lambda s: isinstance(s, P))
+        leaves = [
+            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _joined(d, m)))
+            for x, d, m in zip(jax.tree.leaves(new_state), data_specs, placements, strict=True)
+        ]
+        return out, jax.tree.unflatten(jax.tree.structure(new_state), leaves)
+
+    return jax.jit(kept)
 
 
-def _run(fun, args):
-    """The user's step, with JAX's error for differentiating integers (an NNX
-    module's RNG keys under ``jax.grad``) said in terms of the fix."""
+def _run(fun, args, axis):
+    """The user's step, with JAX's errors for differentiating integers (an NNX
+    module's RNG keys under ``jax.grad``) and for a sharding constraint on the
+    data axis that jaxcomm could not see said in terms of the fix."""
     try:
         return fun(*args)
+    except ValueError as e:
+        if "only refer to Auto axes" not in str(e):
+            raise
+        raise ValueError(
+            f"jaxcomm.data_parallel: a sharding constraint in the step names the data axis "
+            f"{axis!r}, which is manual inside the step (each device runs its own rows). "
+            "jaxcomm drops that axis from constraints made through jax.lax."
+            "with_sharding_constraint and jax.sharding.reshard (and Flax's, which call "
+            "them), but this one called the function by another name (e.g. `from jax.lax "
+            "import with_sharding_constraint`): call it as jax.lax.with_sharding_constraint, "
+            f"or drop {axis!r} from its spec"
+        ) from e
     except TypeError as e:
         if "grad requires real- or complex-valued inputs" not in str(e):
             raise
@@ -166,6 +217,37 @@ def _run(fun, args):
             "(loss_fn)(model) (or jaxcomm.grad), which differentiates the model's nnx.Param "
             "only, as nnx.value_and_grad does, and leaves the reduction to jaxcomm"
         ) from e
+
+
+def _model_specs(tree, mesh, axis) -> tuple:
+    """(each leaf's placement over every mesh axis but `axis` (P() where it
+    has none), each leaf's over the Auto ones alone, or None where it is on
+    none of them): what the traced step cannot see, and the transforms need
+    to run on shards (see jaxcomm.step.placement)."""
+    auto = {
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if n != axis and t == jax.sharding.AxisType.Auto
+    }
+    others = set(mesh.axis_names) - {axis}
+    whole, on_auto = [], []
+    for x in jax.tree.leaves(tree):
+        spec = placed_spec(x) or ()
+        whole.append(only(P(*spec), others))
+        kept = only(P(*spec), auto)
+        on_auto.append(kept if len(kept) else None)
+    return tuple(whole), tuple(on_auto)
+
+
+def _joined(data_spec: P, model_spec: P) -> P:
+    """One spec from a leaf's spec over the data axis and over the others."""
+    n = max(len(data_spec), len(model_spec))
+    entries = []
+    for i in range(n):
+        axes = [*spec_axes(data_spec[i] if i < len(data_spec) else None)]
+        axes += spec_axes(model_spec[i] if i < len(model_spec) else None)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*entries)
 
 
 def _placed(tree, specs, mesh):

@@ -144,9 +144,11 @@ def chunk_sparse(
 
     def init(params):
         leaves = jax.tree.leaves(params)
-        pooled, others = _pooled_at_init(leaves, exchange.axes)
-        pool_leaves = [x for x, p in zip(leaves, pooled, strict=True) if p]
-        layout = exchange.layout(sum(_local_size(x, others) for x in pool_leaves))
+        specs = per_device.declared_specs(params)
+        pooled, others = _pooled_at_init(specs, exchange.axes)
+        pool = [(x, s) for x, s, p in zip(leaves, specs, pooled, strict=True) if p]
+        pool_leaves = [x for x, _ in pool]
+        layout = exchange.layout(sum(_local_size(x, s, others) for x, s in pool))
         _warn_if_not_sparse(layout, density)
         # Each shard's own pool and mask: rows over the other axes, if any.
         shards = (_shard_count(others),) if others else ()
@@ -268,20 +270,21 @@ def _pooled(leaves, others: tuple) -> list[bool]:
     return out if any(out) else [True] * len(leaves)
 
 
-def _pooled_at_init(leaves, axes: tuple) -> tuple[list[bool], tuple]:
-    """:func:`_pooled` for params as placed (outside shard_map): a leaf is
-    pooled when it is split over every mesh axis besides `axes`. Returns
-    the flags and those other axes (none without a mesh)."""
+def _pooled_at_init(specs, axes: tuple) -> tuple[list[bool], tuple]:
+    """:func:`_pooled` for params placed with `specs` (outside shard_map,
+    from :func:`per_device.declared_specs`): a leaf is pooled when it is
+    split over every mesh axis besides `axes`. Returns the flags and those
+    other axes (none without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     others = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in axes)
     if not others:
-        return [True] * len(leaves), ()
+        return [True] * len(specs), ()
     flags = []
-    for x in leaves:
-        named = {a for e in per_device.placed_spec(x) or () for a in per_device.spec_axes(e)}
+    for spec in specs:
+        named = {a for e in spec or () for a in per_device.spec_axes(e)}
         flags.append(set(others) <= named)
     if not any(flags):  # a model replicated over every axis: pooled whole, as before
-        return [True] * len(leaves), ()
+        return [True] * len(specs), ()
     return flags, others
 
 
@@ -290,12 +293,12 @@ def _shard_count(others: tuple) -> int:
     return math.prod(dict(mesh.shape)[a] for a in others)
 
 
-def _local_size(x, others: tuple) -> int:
-    """Elements of this device's shard of `x` (as placed)."""
+def _local_size(x, spec, others: tuple) -> int:
+    """Elements of this device's shard of `x` (placed with `spec`)."""
     if not others:
         return int(np.size(x))
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
-    split = [a for e in per_device.placed_spec(x) or () for a in per_device.spec_axes(e)]
+    split = [a for e in spec or () for a in per_device.spec_axes(e)]
     return int(np.size(x)) // math.prod(mesh[a] for a in split)
 
 

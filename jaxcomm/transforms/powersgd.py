@@ -168,7 +168,8 @@ def powersgd(
 
     def init(params):
         leaves, treedef = jax.tree.flatten(params)
-        layouts[treedef] = tuple(_layout(x) for x in leaves)
+        specs = per_device.declared_specs(params)
+        layouts[treedef] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
         mats = matrices(params, leaves)
         if not mats and leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
             layout = layouts[treedef]
@@ -327,9 +328,10 @@ def _vary_like(new, old):
     return jax.tree.map(one, new, old)
 
 
-def _layout(x) -> tuple:
-    """(whole shape, mesh axes of each dimension) of a param as placed."""
-    spec = per_device.placed_spec(x) or (None,) * len(np.shape(x))
+def _layout(x, spec) -> tuple:
+    """(whole shape, mesh axes of each dimension) of a param placed with
+    `spec` (:func:`per_device.declared_specs`; None: not split)."""
+    spec = spec or (None,) * len(np.shape(x))
     return tuple(np.shape(x)), tuple(per_device.spec_axes(e) for e in spec)
 
 
