@@ -84,7 +84,7 @@ def scaled_sign(
             density=jnp.float32(1),
             nonfinite=nonfinite,
         )
-        return reduced, ScaledSignState(as_row(residual), stats)
+        return reduced, ScaledSignState(as_row(residual, comm.axes), stats)
 
     # in_shards: the same update on each device's shards of a sharded model.
     return optax.GradientTransformation(init, in_shards(update, comm.axes))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -94,49 +95,57 @@ def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) 
     if not jax.tree.leaves(tree):
         return PerDevice(tree)
     rows, bound = devices_on(comm, what)
-    row = comm.axes[0] if len(comm.axes) == 1 else tuple(comm.axes)
+    row = row_name(comm.axes)
 
     def copies(x, model):
         r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
         return r if bound else place(r, P(row, *(placed_spec(model) or ())))
 
-    return PerDevice(
-        _with_row_axis(jax.tree.map(copies, tree, tree if like is None else like), row)
-    )
+    copied = jax.tree.map(copies, tree, tree if like is None else like)
+    return PerDevice(_rows(copied, lambda x: x, lambda names: (row, *names)))
 
 
-def _with_row_axis(tree, row):
-    """`tree` with Flax's partitioning metadata (an NNX Variable's
-    ``out_sharding``, a Linen ``Partitioned`` box's names), which the rows
-    inherited from their params, given the leading row axis: Flax places
-    state by that metadata (``nnx.Optimizer``, ``nn.get_partition_spec``),
-    and a param's names on the rows would split the row axis over a model
-    axis."""
-    if "flax" not in sys.modules:  # no Flax: no boxes
-        return tree
+def row_name(axes: tuple):
+    """The mesh axes the rows of a PerDevice leaf are split over, as one
+    PartitionSpec entry."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def local(per_device: PerDevice):
+    """This device's row of a PerDevice subtree (inside shard_map / pmap)."""
+    return _rows(per_device.value, lambda x: x[0], lambda names: names[1:])
+
+
+def as_row(tree, axes: tuple) -> PerDevice:
+    """`tree` as this device's row of a PerDevice subtree split over `axes`."""
+    row = row_name(axes)
+    return PerDevice(_rows(tree, lambda x: x[None], lambda names: (row, *names)))
+
+
+def _rows(tree, value, names):
+    """`value` applied to each leaf of `tree`, and `names` to the
+    partitioning names of the Flax metadata around it (an NNX Variable's
+    ``out_sharding``, a Linen ``Partitioned`` box's names). Flax places
+    state by that metadata (``nnx.Optimizer``, ``nn.get_partition_spec``):
+    the rows of a param's state name the row axis first, and one row (what
+    the param's own transforms see) names the param's axes only."""
+    boxes = _flax_boxes()
+    if not boxes:
+        return jax.tree.map(value, tree)
     from flax import nnx
     from flax.core import meta
 
     def one(x):
         if isinstance(x, nnx.Variable):
             sharding = x.get_metadata().get("out_sharding")
-            return x.replace(out_sharding=(row, *sharding)) if sharding else x
-        if isinstance(x, meta.AxisMetadata):
-            return x.add_axis(0, {meta.PARTITION_NAME: row})
-        return x
+            if not sharding:
+                return x.replace(value=value(x.get_value()))
+            return x.replace(value=value(x.get_value()), out_sharding=names(tuple(sharding)))
+        if isinstance(x, meta.Partitioned):
+            return x.replace(value=value(x.value), names=names(tuple(x.names)))
+        return jax.tree.map(value, x)
 
-    return jax.tree.map(
-        one, tree, is_leaf=lambda x: isinstance(x, (nnx.Variable, meta.AxisMetadata))
-    )
-
-
-def local(per_device: PerDevice):
-    """This device's row of a PerDevice subtree (inside shard_map / pmap)."""
-    return jax.tree.map(lambda x: x[0], per_device.value)
-
-
-def as_row(tree) -> PerDevice:
-    return PerDevice(jax.tree.map(lambda x: x[None], tree))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, boxes))
 
 
 def placed_spec(x) -> tuple | None:
@@ -170,6 +179,30 @@ def declared_specs(tree) -> list:
     return out
 
 
+def warn_if_traced_on_split_params(params, axes: tuple, who: str) -> None:
+    """Warns when `who`'s init is traced (``jit``, ``eval_shape``) on params
+    split over mesh axes other than `axes`: its state is laid out per shard
+    (matrix factors, a chunk pool, per-fragment leaves), which ``jit``'s
+    ``out_shardings`` from the params' Flax metadata cannot place, so a step
+    would meet whole leaves beside sharded gradients. (``eval_shape`` for
+    an abstract state is fine, hence a warning.)"""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+        return
+    split = sorted(
+        {a for spec in declared_specs(params) for e in spec or () for a in spec_axes(e)} - set(axes)
+    )
+    if split:
+        warnings.warn(
+            f"{who}: tx.init is traced on params split over {split}; this transform's "
+            "state is laid out per shard of them, which jit's out_shardings from the "
+            "params' partitioning metadata cannot place. If this init is compiled, "
+            "build the optimizer state outside jit from the placed params instead, under "
+            "`with jax.set_mesh(mesh):` (e.g. after a TrainState is built under jit: "
+            "state = state.replace(opt_state=state.tx.init(state.params)))",
+            stacklevel=3,
+        )
+
+
 def _flax_boxes() -> tuple:
     """Flax's metadata types, where Flax is in use (else nothing to read)."""
     if "flax" not in sys.modules:
@@ -190,12 +223,12 @@ def _box_spec(box, ndim: int) -> tuple | None:
         from flax.nnx import spmd
 
         spec = tuple(spmd.get_var_pspec(box))
-    elif isinstance(box, meta.LogicallyPartitioned):
-        from flax import linen
-
-        spec = tuple(linen.logical_to_mesh_axes(box.names, box.rules))
     elif isinstance(box, meta.Partitioned):
-        spec = tuple(box.names)
+        from flax.linen import spmd as linen_spmd
+
+        logical = isinstance(box, linen_spmd.LogicallyPartitioned)
+        names = linen_spmd.logical_to_mesh_axes(box.names, box.rules) if logical else box.names
+        spec = tuple(names)
     else:
         return None
     return spec + (None,) * (ndim - len(spec))

@@ -119,7 +119,7 @@ def accumulate(
 
         new_updates, new_inner = lax.cond(send_now, typed(send), typed(hold), *operands)
         kept = jax.tree.map(lambda t: jnp.where(send_now, jnp.zeros_like(t), t), total)
-        new_sum = per_device.as_row(to_varying(kept, axes))
+        new_sum = per_device.as_row(to_varying(kept, axes), axes)
         return new_updates, AccumulateState(
             mini_step=(state.mini_step + 1) % every_k, gradient_sum=new_sum, inner=new_inner
         )

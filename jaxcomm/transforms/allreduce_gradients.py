@@ -176,9 +176,9 @@ def allreduce_gradients(
         buffer = state.buffer
         if double_buffering:
             buffer = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
-            buffer = per_device.as_row(buffer)
+            buffer = per_device.as_row(buffer, comm.axes)
         if error_feedback:
-            residual = per_device.as_row(residual)
+            residual = per_device.as_row(residual, comm.axes)
 
         stats = comm_stats.CommStats(
             payload_bytes=jnp.float32(payload),

@@ -143,6 +143,7 @@ def chunk_sparse(
     )
 
     def init(params):
+        per_device.warn_if_traced_on_split_params(params, exchange.axes, "chunk_sparse")
         leaves = jax.tree.leaves(params)
         specs = per_device.declared_specs(params)
         pooled, others = _pooled_at_init(specs, exchange.axes)

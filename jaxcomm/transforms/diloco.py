@@ -176,6 +176,7 @@ def diloco(
     offsets = sync_offsets(sync_every, fragments)
 
     def init(params):
+        per_device.warn_if_traced_on_split_params(params, comm.axes, "diloco")
         leaves = jax.tree.leaves(params)
         spans = plan_fragments([int(np.size(x)) for x in leaves], fragments)
         parts = [list(leaves[a:b]) for a, b in spans]
@@ -242,18 +243,21 @@ def diloco(
             ),
         )
         new = DiLoCoState(
-            local=per_device.LocalParams(treedef.unflatten(rows)),
-            inner=per_device.as_row(inner_state),
+            # The rows' tree: the params' but with a row axis in any Flax metadata.
+            local=per_device.LocalParams(jax.tree.structure(state.local.value).unflatten(rows)),
+            inner=per_device.as_row(inner_state, comm.axes),
             outer=tuple(d.outer for d in done),
             count=state.count + 1,
             stats=stats,
             pending=tuple(d.pending for d in done) if delay else (),
             error=(
-                per_device.as_row(tuple(d.error for d in done))
+                per_device.as_row(tuple(d.error for d in done), comm.axes)
                 if state.error.value
                 else state.error
             ),
-            kept=per_device.as_row(tuple(d.kept for d in done)) if started else state.kept,
+            kept=per_device.as_row(tuple(d.kept for d in done), comm.axes)
+            if started
+            else state.kept,
         )
         return treedef.unflatten([x for d in done for x in d.updates]), new
 

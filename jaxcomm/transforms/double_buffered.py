@@ -157,7 +157,7 @@ def double_buffered(
         ahead, _ = inner.update(grads, inner_state, synced)
         local = optax.apply_updates(synced, ahead)
         new = DoubleBufferedState(
-            local=per_device.LocalParams(per_device.as_row(local).value),
+            local=per_device.LocalParams(per_device.as_row(local, comm.axes).value),
             inner=inner_state,
             reduce=reduce_state,
             count=state.count + 1,

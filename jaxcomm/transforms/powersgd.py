@@ -167,6 +167,7 @@ def powersgd(
         return _matrices(leaves, rank, min_compression_rate, allowed, layout)
 
     def init(params):
+        per_device.warn_if_traced_on_split_params(params, comm.axes, "powersgd")
         leaves, treedef = jax.tree.flatten(params)
         specs = per_device.declared_specs(params)
         layouts[treedef] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
@@ -232,7 +233,7 @@ def powersgd(
             nonfinite=nonfinite,
         )
         new = PowerSGDState(
-            residual=per_device.as_row(new_residual) if error_feedback else (),
+            residual=per_device.as_row(new_residual, comm.axes) if error_feedback else (),
             q=q,
             count=state.count + 1,
             stats=stats,
