@@ -10,9 +10,10 @@ ordinary arrays sharded over the reduction axes (see
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import sys
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -75,14 +76,16 @@ def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
     return math.prod(sizes[a] for a in axes), False
 
 
-def per_device_zeros(tree, comm: Reduction, what: str = "residual") -> PerDevice:
+def per_device_zeros(tree, comm: Reduction, what: str = "residual", specs=None) -> PerDevice:
     """Zeros shaped like `tree`'s leaves, with one leading row per device of
     `comm`, placed as :func:`per_device_copies` places them."""
     zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
-    return per_device_copies(zeros, comm, what, like=tree)
+    return per_device_copies(zeros, comm, what, like=tree, specs=specs)
 
 
-def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) -> PerDevice:
+def per_device_copies(
+    tree, comm: Reduction, what: str = "residual", like=None, specs=None
+) -> PerDevice:
     """`tree`'s leaves repeated in one leading row per device of `comm`.
 
     Built under ``jax.set_mesh`` (outside shard_map), each leaf is placed
@@ -90,18 +93,22 @@ def per_device_copies(tree, comm: Reduction, what: str = "residual", like=None) 
     corresponding leaf of `like` (default `tree`) is placed: a residual of a
     parameter sharded over ``"fsdp"`` is sharded over ``"fsdp"`` too. That
     is what :func:`jaxcomm.state_specs` reads, so the state enters
-    ``shard_map`` as it is.
+    ``shard_map`` as it is. `specs` (per leaf, from :func:`declared_specs`)
+    say it instead where the leaves were taken out of the params' tree
+    (traced under ``jit``, only the tree's Flax metadata says).
     """
     if not jax.tree.leaves(tree):
         return PerDevice(tree)
     rows, bound = devices_on(comm, what)
     row = row_name(comm.axes)
 
-    def copies(x, model):
-        r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
-        return r if bound else place(r, P(row, *(placed_spec(model) or ())))
+    specs = iter(declared_specs(tree if like is None else like) if specs is None else specs)
 
-    copied = jax.tree.map(copies, tree, tree if like is None else like)
+    def copies(x):
+        r = jnp.broadcast_to(jnp.asarray(x), (rows, *jnp.shape(x)))
+        return r if bound else place(r, P(row, *(next(specs) or ())))
+
+    copied = jax.tree.map(copies, tree)
     return PerDevice(_rows(copied, lambda x: x, lambda names: (row, *names)))
 
 
@@ -160,6 +167,64 @@ def placed_spec(x) -> tuple | None:
     return spec + (None,) * (len(jnp.shape(x)) - len(spec))
 
 
+_DECLARED: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_declared", default=None)
+
+
+@contextlib.contextmanager
+def declaring(params):
+    """Inside the block, :func:`declared_specs` knows the params' leaves by
+    identity even out of their tree (an init that splits the params into
+    fragments, traced under ``jit``, where only the tree's metadata says
+    how each leaf is split)."""
+    leaves = jax.tree.leaves(params)
+    table = {
+        id(x): (x, spec) for x, spec in zip(leaves, declared_specs(params), strict=True) if spec
+    }
+    token = _DECLARED.set(table)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def shard_size(x, spec, skip: tuple = ()) -> int:
+    """Elements of one device's shard of `x` placed with `spec` (None: whole),
+    not counting splits over the axes `skip` (a reduction's, which hold
+    copies)."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        sizes = dict(sharding.mesh.shape)
+    n = int(math.prod(jnp.shape(x)))
+    for a in {a for e in spec or () for a in spec_axes(e)} - set(skip):
+        n //= sizes.get(a, 1)
+    return n
+
+
+def placed_like(tree, like: list, specs: list):
+    """`tree` with each subtree that has `like`'s structure and shapes (an
+    optax state's moments of a list of params) placed with `specs`, one per
+    leaf (see :func:`place`)."""
+    structure = jax.tree.structure(like)
+    shapes = [jnp.shape(x) for x in like]
+
+    def mirrors(node) -> bool:
+        if jax.tree.structure(node) != structure:
+            return False
+        return [jnp.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+    def one(node):
+        if not mirrors(node):
+            return node
+        leaves = [
+            place(x, P(*spec)) if spec else x
+            for x, spec in zip(jax.tree.leaves(node), specs, strict=True)
+        ]
+        return jax.tree.unflatten(structure, leaves)
+
+    return jax.tree.map(one, tree, is_leaf=mirrors)
+
+
 def declared_specs(tree) -> list:
     """Each leaf's placement (:func:`placed_spec`), in ``jax.tree.leaves``
     order, where the leaf is a placed array; inside a trace (``tx.init``
@@ -168,6 +233,7 @@ def declared_specs(tree) -> list:
     Linen ``Partitioned`` box's names, logical names through the active
     rules. None where neither says."""
     boxes = _flax_boxes()
+    table = _DECLARED.get()
     out = []
     for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, boxes)):
         inner = jax.tree.leaves(node) if isinstance(node, boxes) else [node]
@@ -175,32 +241,10 @@ def declared_specs(tree) -> list:
             spec = placed_spec(x)
             if spec is None and isinstance(node, boxes):
                 spec = _box_spec(node, len(jnp.shape(x)))
+            if spec is None and table and id(x) in table and table[id(x)][0] is x:
+                spec = table[id(x)][1]
             out.append(spec)
     return out
-
-
-def warn_if_traced_on_split_params(params, axes: tuple, who: str) -> None:
-    """Warns when `who`'s init is traced (``jit``, ``eval_shape``) on params
-    split over mesh axes other than `axes`: its state is laid out per shard
-    (matrix factors, a chunk pool, per-fragment leaves), which ``jit``'s
-    ``out_shardings`` from the params' Flax metadata cannot place, so a step
-    would meet whole leaves beside sharded gradients. (``eval_shape`` for
-    an abstract state is fine, hence a warning.)"""
-    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
-        return
-    split = sorted(
-        {a for spec in declared_specs(params) for e in spec or () for a in spec_axes(e)} - set(axes)
-    )
-    if split:
-        warnings.warn(
-            f"{who}: tx.init is traced on params split over {split}; this transform's "
-            "state is laid out per shard of them, which jit's out_shardings from the "
-            "params' partitioning metadata cannot place. If this init is compiled, "
-            "build the optimizer state outside jit from the placed params instead, under "
-            "`with jax.set_mesh(mesh):` (e.g. after a TrainState is built under jit: "
-            "state = state.replace(opt_state=state.tx.init(state.params)))",
-            stacklevel=3,
-        )
 
 
 def _flax_boxes() -> tuple:
@@ -236,10 +280,17 @@ def _box_spec(box, ndim: int) -> tuple | None:
 
 def place(x, spec: P):
     """`x` placed with `spec` on the mesh of ``jax.set_mesh``, where init
-    runs under one; as it is inside a trace (its caller places it) or
-    without a mesh."""
+    runs under one. Traced under ``jit`` on that mesh (a state built by a
+    jitted init), `x` is constrained to `spec`, which is where the compiled
+    init puts it unless its ``out_shardings`` say otherwise
+    (:func:`jaxcomm.data_parallel` reads it there); inside ``shard_map`` or
+    without a mesh, `x` is left as it is (its caller places it)."""
     if isinstance(x, jax.core.Tracer):
-        return x
+        mesh = jax.sharding.get_abstract_mesh()
+        named = {a for e in spec for a in spec_axes(e)}
+        if mesh.empty or not named or not named <= set(mesh.auto_axes):
+            return x
+        return jax.lax.with_sharding_constraint(x, spec)
     mesh = jax.sharding.get_mesh()
     return x if mesh.empty else jax.device_put(x, NamedSharding(mesh, spec))
 

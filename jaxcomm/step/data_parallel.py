@@ -81,14 +81,16 @@ def data_parallel(fun=None, *, axis_name: str = "data", mesh=None):
         return functools.partial(data_parallel, axis_name=axis_name, mesh=mesh)
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be one mesh axis name (a str), got {axis_name!r}")
-    compiled = {}
+    compiled, built = {}, {}
 
     def prepared(args):
         """(the compiled step for `args`, its inputs, the NNX arguments)."""
         on = _mesh(mesh, args, axis_name)
         nodes = tuple(i for i, a in enumerate(args) if is_nnx_object(a))
         graphdef, state = _split(tuple(args[i] for i in nodes))
-        rest = tuple(a for i, a in enumerate(args) if i not in nodes)
+        rest = tuple(
+            _opt_state_placed(a, on, axis_name, built) for i, a in enumerate(args) if i not in nodes
+        )
         in_specs = (
             state_specs(state, axis_name, axis_names={axis_name}) if nodes else (),
             jax.tree.map(lambda x: _batch_spec(x, on, axis_name), rest),
@@ -217,6 +219,35 @@ def _run(fun, args, axis):
             "(loss_fn)(model) (or jaxcomm.grad), which differentiates the model's nnx.Param "
             "only, as nnx.value_and_grad does, and leaves the reduction to jaxcomm"
         ) from e
+
+
+def _opt_state_placed(x, mesh, axis, built: dict):
+    """`x`, and where it is a Flax ``TrainState`` whose optimizer state was
+    built by a jitted init on a model split over other mesh axes, with that
+    state put where ``tx.init`` places it. A ``jit`` with ``out_shardings``
+    from the params' partitioning metadata (MaxText's way) leaves jaxcomm's
+    per-shard state (rows, factors, a chunk pool) replicated over the model
+    axes, and the step would meet whole leaves beside sharded gradients.
+    Where init places it is read from the compiled init (`built` keeps it)."""
+    if not all(hasattr(x, a) for a in ("tx", "params", "opt_state", "replace")):
+        return x
+    if set(mesh.axis_names) == {axis}:
+        return x
+    key = (id(x.tx), jax.tree.structure(x.opt_state), mesh)
+    if key not in built:
+        with jax.set_mesh(mesh):
+            built[key] = (x.tx, jax.jit(x.tx.init).lower(x.params).compile().output_shardings)
+    wanted = built[key][1]
+
+    def one(leaf, sharding):
+        if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+            return leaf
+        now = getattr(leaf, "sharding", None)
+        if now is not None and now.is_equivalent_to(sharding, leaf.ndim):
+            return leaf
+        return jax.device_put(leaf, sharding)
+
+    return x.replace(opt_state=jax.tree.map(one, x.opt_state, wanted))
 
 
 def _model_specs(tree, mesh, axis) -> tuple:

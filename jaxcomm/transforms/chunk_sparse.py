@@ -143,7 +143,6 @@ def chunk_sparse(
     )
 
     def init(params):
-        per_device.warn_if_traced_on_split_params(params, exchange.axes, "chunk_sparse")
         leaves = jax.tree.leaves(params)
         specs = per_device.declared_specs(params)
         pooled, others = _pooled_at_init(specs, exchange.axes)
@@ -160,6 +159,7 @@ def chunk_sparse(
                     jax.ShapeDtypeStruct((*shards, layout.size), _pool_dtype(pool_leaves)),
                     exchange,
                 ),
+                exchange.axes,
                 others,
             ),
             # An empty gradient keeps a one-chunk mask, which it never sends.
@@ -309,14 +309,15 @@ def _placed(x, others: tuple):
     return per_device.place(x, jax.sharding.PartitionSpec(others)) if others else x
 
 
-def _per_shard(residual: per_device.PerDevice, others: tuple) -> per_device.PerDevice:
-    """A PerDevice pool with rows over the shards after the device rows,
-    split over `others` too."""
-    x = residual.value
-    rows = per_device.placed_spec(x)
-    if not others or rows is None:  # inside a trace, or without a mesh
+def _per_shard(residual: per_device.PerDevice, axes: tuple, others: tuple):
+    """A PerDevice pool (rows over `axes`) with rows over the shards after
+    the device rows, split over `others` too."""
+    if not others:
         return residual
-    return per_device.PerDevice(per_device.place(x, jax.sharding.PartitionSpec(rows[0], others)))
+    row = per_device.row_name(axes)
+    return per_device.PerDevice(
+        per_device.place(residual.value, jax.sharding.PartitionSpec(row, others))
+    )
 
 
 def _merge(pooled_leaves, dense_leaves, pooled) -> list:

@@ -176,20 +176,31 @@ def diloco(
     offsets = sync_offsets(sync_every, fragments)
 
     def init(params):
-        per_device.warn_if_traced_on_split_params(params, comm.axes, "diloco")
+        with per_device.declaring(params):  # fragments' leaves keep their specs
+            return _init(params)
+
+    def _init(params):
         leaves = jax.tree.leaves(params)
-        spans = plan_fragments([int(np.size(x)) for x in leaves], fragments)
+        specs = per_device.declared_specs(params)
+        # Planned on the shards update sees (of a model split over other axes).
+        sizes = [per_device.shard_size(x, s, comm.axes) for x, s in zip(leaves, specs, strict=True)]
+        spans = plan_fragments(sizes, fragments)
         parts = [list(leaves[a:b]) for a, b in spans]
-        error = rule.init_error(parts, comm)
+        # Placed like the params: eagerly zeros_like keeps their placement,
+        # under jit only a constraint does.
+        like = [
+            functools.partial(per_device.placed_like, like=part, specs=specs[a:b])
+            for part, (a, b) in zip(parts, spans, strict=True)
+        ]
+        pending = _diloco_sync.initial_pending(parts, delay, overlapped())
         return DiLoCoState(
             local=per_device.LocalParams(per_device.per_device_copies(params, comm).value),
             inner=per_device.per_device_copies(inner.init(params), comm),
-            outer=tuple(rule.init(part) for part in parts),
+            outer=tuple(f(rule.init(part)) for f, part in zip(like, parts, strict=True)),
             count=jnp.int32(0),
             stats=comm_stats.empty_stats(),
-            # Replicated like the params (zeros_like keeps their placement).
-            pending=_diloco_sync.initial_pending(parts, delay, overlapped()),
-            error=error,
+            pending=tuple(f(p) for f, p in zip(like, pending, strict=False)),
+            error=rule.init_error(parts, comm),
             kept=(
                 per_device.per_device_zeros(tuple(list(p) for p in parts), comm, "sent")
                 if overlapped()

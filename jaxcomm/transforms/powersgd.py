@@ -167,7 +167,6 @@ def powersgd(
         return _matrices(leaves, rank, min_compression_rate, allowed, layout)
 
     def init(params):
-        per_device.warn_if_traced_on_split_params(params, comm.axes, "powersgd")
         leaves, treedef = jax.tree.flatten(params)
         specs = per_device.declared_specs(params)
         layouts[treedef] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
@@ -179,7 +178,9 @@ def powersgd(
             )
         residual = ()
         if error_feedback:
-            residual = per_device.per_device_zeros(tuple(leaves[m.leaf] for m in mats), comm)
+            residual = per_device.per_device_zeros(
+                tuple(leaves[m.leaf] for m in mats), comm, specs=[specs[m.leaf] for m in mats]
+            )
         q = ()
         if warm_start:
             q = _draw(seed, 0, mats, _factor_dtype(leaves, mats))
