@@ -187,6 +187,19 @@ def declaring(params):
         _DECLARED.reset(token)
 
 
+def plain_structure(tree):
+    """`tree`'s structure with Flax's metadata boxes taken as their values:
+    the same for params as ``tx.init`` gets them (NNX Variables, Linen
+    ``Partitioned`` boxes) and as ``tx.update`` gets the gradients (plain
+    arrays from ``nnx.Optimizer``)."""
+    boxes = _flax_boxes()
+    if boxes:
+        tree = jax.tree.map(
+            lambda x: 0 if isinstance(x, boxes) else x, tree, is_leaf=lambda x: isinstance(x, boxes)
+        )
+    return jax.tree.structure(tree)
+
+
 def shard_size(x, spec, skip: tuple = ()) -> int:
     """Elements of one device's shard of `x` placed with `spec` (None: whole),
     not counting splits over the axes `skip` (a reduction's, which hold

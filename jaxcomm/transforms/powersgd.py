@@ -162,17 +162,18 @@ def powersgd(
     layouts: dict = {}
 
     def matrices(tree, leaves) -> list[_Matrix]:
-        layout = layouts.get(jax.tree.structure(tree))
+        layout = layouts.get(per_device.plain_structure(tree))
         allowed = _allowed(mask, tree, layout)
         return _matrices(leaves, rank, min_compression_rate, allowed, layout)
 
     def init(params):
         leaves, treedef = jax.tree.flatten(params)
         specs = per_device.declared_specs(params)
-        layouts[treedef] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
+        key = per_device.plain_structure(params)
+        layouts[key] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
         mats = matrices(params, leaves)
         if not mats and leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
-            layout = layouts[treedef]
+            layout = layouts[key]
             _warn_nothing_compressed(
                 params, layout, _allowed(mask, params, layout), mask, rank, min_compression_rate
             )
