@@ -341,8 +341,20 @@ def test_docs_sharded_step_runs_and_learns(capsys):
     import re
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sharded.md").read_text()
-    first_style, second_style = re.findall(r"```python\n(.*?)```", text, re.S)
+    guide_style, first_style, second_style = re.findall(r"```python\n(.*?)```", text, re.S)
+    # The guides' style: an annotated NNX model with its own constraint
+    # on "data", under data_parallel; it learns and keeps its placement.
     scope: dict = {}
+    exec(compile(guide_style, "docs/sharded.md", "exec"), scope)
+    assert "P(None, 'model')" in capsys.readouterr().out
+    x = np.random.default_rng(3).standard_normal((256, 16)).astype(np.float32)
+    y = np.tanh(x[:, :4])
+    with jax.set_mesh(scope["mesh"]):
+        fresh = scope["MLP"](scope["nnx"].Rngs(0))
+        before = float(scope["loss_fn"](fresh, x, y))
+        after = float(scope["loss_fn"](scope["model"], x, y))
+    assert after < 0.5 * before, (before, after)
+    scope = {}
     exec(compile(first_style, "docs/sharded.md", "exec"), scope)
     out = capsys.readouterr().out.split("\n")
     first, last = (float(line.split()[-1]) for line in out if line.startswith("step"))

@@ -71,7 +71,8 @@ def devices_on(comm: Reduction, what: str = "residual") -> tuple[int, bool]:
         raise ValueError(
             f"this transform keeps a per-device {what}, so init needs the size of axes "
             f"{missing}: call init inside jax.shard_map / jax.pmap, or under "
-            "`with jax.set_mesh(mesh):`"
+            "`with jax.set_mesh(mesh):` (build nnx.Optimizer or the TrainState there, "
+            "with the mesh jaxcomm.data_parallel then runs the step on)"
         )
     return math.prod(sizes[a] for a in axes), False
 
