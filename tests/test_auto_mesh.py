@@ -103,7 +103,8 @@ def test_constraints_on_the_data_axis_keep_working_and_shardings_are_kept():
 
 def test_a_constraint_imported_by_name_is_said_in_jaxcomms_words():
     """`from jax.lax import with_sharding_constraint` escapes jaxcomm's
-    handling: the error names the construct and the fix."""
+    handling: the error names the construct and the fix, before the step
+    runs, and the next program runs in the same process."""
     from jax._src.pjit import with_sharding_constraint as by_name
 
     x, y = _data()
@@ -112,6 +113,10 @@ def test_a_constraint_imported_by_name_is_said_in_jaxcomms_words():
     )
     with jax.set_mesh(MESH), pytest.raises(ValueError, match=r"constraint.*names the data axis"):
         _dp_step(model, opt, x, y)
+    # The process goes on: the same program written the guide's way runs.
+    model, opt = _build(optax.chain(jaxcomm.allreduce_gradients("data"), optax.sgd(LR)))
+    with jax.set_mesh(MESH):
+        assert np.isfinite(float(_dp_step(model, opt, x, y)))
 
 
 def test_per_device_rows_get_a_row_axis_in_flax_metadata():

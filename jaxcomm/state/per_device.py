@@ -257,8 +257,22 @@ def declared_specs(tree) -> list:
                 spec = _box_spec(node, len(jnp.shape(x)))
             if spec is None and table and id(x) in table and table[id(x)][0] is x:
                 spec = table[id(x)][1]
-            out.append(spec)
+            out.append(_split_only(spec, x))
     return out
+
+
+def _split_only(spec, x):
+    """`spec` without the mesh axes of size 1, which split nothing (a
+    model axis of 1: the model is whole on every device)."""
+    if spec is None:
+        return None
+    sharding = getattr(x, "sharding", None)
+    mesh = (
+        sharding.mesh if isinstance(sharding, NamedSharding) else jax.sharding.get_abstract_mesh()
+    )
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    kept = [tuple(a for a in spec_axes(e) if sizes.get(a, 2) > 1) for e in spec]
+    return tuple((k[0] if len(k) == 1 else k) if k else None for k in kept)
 
 
 def _flax_boxes() -> tuple:

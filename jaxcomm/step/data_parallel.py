@@ -176,17 +176,38 @@ def _compile(fun, graphdef, nodes, nargs, specs, mesh, axis, state, rest):
     if not any(model[1]):
         return jax.jit(run)
 
-    def kept(state, rest):
-        # The state leaves as placed over the other Auto axes, which XLA would
-        # otherwise choose anew (a replicated bias coming back split).
-        out, new_state = run(state, rest)
-        placements = model[0][: len(jax.tree.leaves(new_state))]
-        data_specs = jax.tree.leaves(found["out_specs"][1], is_leaf=lambda s: isinstance(s, P))
+    # The arguments as placed over the other Auto axes, which XLA would
+    # otherwise choose anew for the outputs (a replicated bias coming back
+    # split): the NNX state, and each output shaped like a non-NNX argument
+    # (the new TrainState a Linen step returns).
+    n_state = len(jax.tree.leaves(state))
+    arg_specs, start = [], n_state
+    for r in rest:
+        n = len(jax.tree.leaves(r))
+        arg_specs.append((jax.tree.structure(r), model[0][start : start + n]))
+        start += n
+
+    def placed_as(tree, data_tree, placements):
+        data_specs = jax.tree.leaves(data_tree, is_leaf=lambda s: isinstance(s, P))
         leaves = [
             jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _joined(d, m)))
-            for x, d, m in zip(jax.tree.leaves(new_state), data_specs, placements, strict=True)
+            for x, d, m in zip(jax.tree.leaves(tree), data_specs, placements, strict=True)
         ]
-        return out, jax.tree.unflatten(jax.tree.structure(new_state), leaves)
+        return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+    def like_an_argument(out, out_specs):
+        for structure, placements in arg_specs:
+            if jax.tree.structure(out) == structure:
+                return placed_as(out, out_specs, placements)
+        if isinstance(out, (tuple, list)) and not isinstance(out_specs, P):
+            items = [like_an_argument(o, s) for o, s in zip(out, out_specs, strict=True)]
+            return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+        return out
+
+    def kept(state, rest):
+        out, new_state = run(state, rest)
+        new_state = placed_as(new_state, found["out_specs"][1], model[0][:n_state])
+        return like_an_argument(out, found["out_specs"][0]), new_state
 
     return jax.jit(kept)
 

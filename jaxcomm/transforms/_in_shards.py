@@ -74,6 +74,8 @@ def in_shards(update, axes: tuple):
         for spec in jax.tree.leaves(specs, is_leaf=_is_p):
             for entry in spec:
                 split += [a for a in spec_axes(entry) if a not in axes and a not in split]
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+        split = [a for a in split if sizes.get(a, 2) > 1]  # an axis of 1 splits nothing
         if not split:
             return update(updates, state, params)
         kept = jax.tree.map(lambda s: only(s, set(split)), specs, is_leaf=_is_p)

@@ -1,0 +1,112 @@
+"""A small NNX language model as Flax's guides write a scanned stack: blocks
+made by ``nnx.split_rngs`` + ``nnx.vmap`` (a "layers" axis in their
+partitioning metadata), run with ``nnx.scan``, Dropout, logical axis names
+mapped onto an Auto ("data", "fsdp") mesh by ``nnx.logical_axis_rules``, and
+a constraint on the activations."""
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+AXES = ("data", "fsdp")
+RULES = (("batch", "data"), ("embed", "fsdp"), ("mlp", None), ("vocab", None), ("layers", None))
+LAYERS, VOCAB, WIDTH = 3, 64, 32
+
+
+def mesh(fsdp: int = 4):
+    return jax.make_mesh((2, fsdp), AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs, dropout):
+        init = nnx.initializers.lecun_normal()
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        up = nnx.with_partitioning(init, ("embed", "mlp"))
+        down = nnx.with_partitioning(init, ("mlp", "embed"))
+        self.up = nnx.Linear(WIDTH, 2 * WIDTH, kernel_init=up, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(2 * WIDTH, WIDTH, kernel_init=down, use_bias=False, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.drop(jax.nn.gelu(self.up(self.norm(x))))
+        h = jax.lax.with_sharding_constraint(h, P("data", None, None))
+        return x + self.down(h)
+
+
+class LM(nnx.Module):
+    def __init__(self, rngs, dropout=0.0):
+        table = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
+        self.embed = nnx.Embed(VOCAB, WIDTH, embedding_init=table, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def blocks(rngs):
+            return Block(rngs, dropout)
+
+        self.blocks = blocks(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def layer(x, block):
+            return block(x)
+
+        return self.embed.attend(layer(self.embed(tokens), self.blocks))
+
+
+def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def build(tx, on, dropout=0.0):
+    with jax.set_mesh(on), nnx.logical_axis_rules(RULES):
+        model = LM(nnx.Rngs(0), dropout)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def jit_step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+
+@jaxcomm.data_parallel
+def jaxcomm_step(model, optimizer, tokens):
+    loss, grads = jaxcomm.value_and_grad(loss_fn)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _counting(rng):
+    """Rows that count up from a random start (mod VOCAB): learnable in a
+    few steps, where uniform random tokens are not."""
+    start = rng.integers(0, VOCAB, (16, 1))
+    return ((start + np.arange(9)) % VOCAB).astype(np.int32)
+
+
+def batches(on, n, seed=0):
+    rng = np.random.default_rng(seed)
+    put = NamedSharding(on, P("data"))
+    return [(jax.device_put(_counting(rng), put),) for _ in range(n)]
+
+
+def run(form, objects, data, on):
+    """The losses of `form` ("jit" or "jaxcomm") over `data`, one step in flight."""
+    step = jit_step if form == "jit" else jaxcomm_step
+    with jax.set_mesh(on), nnx.logical_axis_rules(RULES):
+        return [float(jax.block_until_ready(step(*objects, *batch))) for batch in data]
+
+
+def placements(objects, params_only=False):
+    """(shape, spec) of every param, then of every optimizer leaf."""
+    model, optimizer = objects
+    tree = nnx.state(model) if params_only else (nnx.state(model), nnx.state(optimizer))
+    return [
+        (a.shape, a.sharding.spec._normalized_spec_for_aval(a.ndim)) for a in jax.tree.leaves(tree)
+    ]
