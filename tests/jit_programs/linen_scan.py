@@ -11,18 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.jit_programs import counting_tokens, leaf_placements, scanned_lm_mesh
 
-AXES = ("data", "fsdp")
 RULES = (("batch", "data"), ("embed", "fsdp"), ("mlp", None), ("vocab", None), ("layers", None))
 LAYERS, VOCAB, WIDTH = 3, 64, 32
 
 
-def mesh(fsdp: int = 4):
-    return jax.make_mesh((2, fsdp), AXES, axis_types=(AxisType.Auto,) * 2)
+mesh = scanned_lm_mesh
 
 
 class Block(nn.Module):
@@ -97,17 +96,10 @@ def jit_step(on, shardings):
 jaxcomm_step = jaxcomm.data_parallel(jaxcomm_train_step)
 
 
-def _counting(rng):
-    """Rows that count up from a random start (mod VOCAB): learnable in a
-    few steps, where uniform random tokens are not."""
-    start = rng.integers(0, VOCAB, (16, 1))
-    return ((start + np.arange(9)) % VOCAB).astype(np.int32)
-
-
 def batches(on, n, seed=0):
     rng = np.random.default_rng(seed)
     put = NamedSharding(on, P("data"))
-    return [(jax.device_put(_counting(rng), put), jax.random.key(i)) for i in range(n)]
+    return [(jax.device_put(counting_tokens(rng, VOCAB), put), jax.random.key(i)) for i in range(n)]
 
 
 def run(form, objects, data, on):
@@ -125,7 +117,4 @@ def run(form, objects, data, on):
 def placements(objects, params_only=False):
     """(shape, spec) of every param, then of every optimizer leaf."""
     state = objects[0]
-    tree = state.params if params_only else (state.params, state.opt_state)
-    return [
-        (a.shape, a.sharding.spec._normalized_spec_for_aval(a.ndim)) for a in jax.tree.leaves(tree)
-    ]
+    return leaf_placements(state.params if params_only else (state.params, state.opt_state))

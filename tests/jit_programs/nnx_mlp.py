@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.jit_programs import leaf_placements
 
 AXES = ("data", "model")
 
@@ -76,6 +77,4 @@ def placements(objects, params_only=False):
     """(shape, spec) of every param, then of every optimizer leaf."""
     model, optimizer = objects
     tree = nnx.state(model) if params_only else (nnx.state(model), nnx.state(optimizer))
-    return [
-        (a.shape, a.sharding.spec._normalized_spec_for_aval(a.ndim)) for a in jax.tree.leaves(tree)
-    ]
+    return leaf_placements(tree)

@@ -8,18 +8,17 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from tests.jit_programs import counting_tokens, leaf_placements, scanned_lm_mesh
 
-AXES = ("data", "fsdp")
 RULES = (("batch", "data"), ("embed", "fsdp"), ("mlp", None), ("vocab", None), ("layers", None))
 LAYERS, VOCAB, WIDTH = 3, 64, 32
 
 
-def mesh(fsdp: int = 4):
-    return jax.make_mesh((2, fsdp), AXES, axis_types=(AxisType.Auto,) * 2)
+mesh = scanned_lm_mesh
 
 
 class Block(nnx.Module):
@@ -83,17 +82,10 @@ def jaxcomm_step(model, optimizer, tokens):
     return loss
 
 
-def _counting(rng):
-    """Rows that count up from a random start (mod VOCAB): learnable in a
-    few steps, where uniform random tokens are not."""
-    start = rng.integers(0, VOCAB, (16, 1))
-    return ((start + np.arange(9)) % VOCAB).astype(np.int32)
-
-
 def batches(on, n, seed=0):
     rng = np.random.default_rng(seed)
     put = NamedSharding(on, P("data"))
-    return [(jax.device_put(_counting(rng), put),) for _ in range(n)]
+    return [(jax.device_put(counting_tokens(rng, VOCAB), put),) for _ in range(n)]
 
 
 def run(form, objects, data, on):
@@ -107,6 +99,4 @@ def placements(objects, params_only=False):
     """(shape, spec) of every param, then of every optimizer leaf."""
     model, optimizer = objects
     tree = nnx.state(model) if params_only else (nnx.state(model), nnx.state(optimizer))
-    return [
-        (a.shape, a.sharding.spec._normalized_spec_for_aval(a.ndim)) for a in jax.tree.leaves(tree)
-    ]
+    return leaf_placements(tree)
