@@ -214,3 +214,40 @@ def test_a_partly_auto_shard_map_exchanges_and_the_process_goes_on():
         bf16 = lambda g: np.asarray(jnp.asarray(g, jnp.bfloat16), np.float64)  # noqa: E731
         np.testing.assert_allclose(got, np.mean([bf16(g) for g in per], 0), rtol=2e-2, atol=1e-2)
     test_constraints_on_the_data_axis_keep_working_and_shardings_are_kept()
+
+
+def test_powersgd_on_a_matrix_split_to_one_column_per_device():
+    """An (8, 4) matrix split over its columns on a (data=2, fsdp=4) mesh
+    (one column per device), jit with an Explicit fsdp axis: PowerSGD at
+    its full rank (4) is the dense mean, against NumPy float64."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    tx = optax.chain(jaxcomm.powersgd("data", rank=4, min_compression_rate=0.1), optax.sgd(LR))
+    xs = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        params = {
+            "w": jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P(None, "fsdp")))
+        }
+        state = tx.init(params)
+        specs = jaxcomm.state_specs(state, "data", axis_names={"data"})
+
+        def loss(p, x):
+            return jnp.sum(jnp.tanh(jnp.matmul(x, p["w"], out_sharding=P(None, None))))
+
+        def step(p, s, x):
+            u, s = tx.update(jaxcomm.local_grad(loss, "data")(p, x), s, p)
+            return optax.apply_updates(p, u)
+
+        run = jax.jit(
+            jax.shard_map(
+                step,
+                in_specs=({"w": P()}, specs, P("data")),
+                out_specs={"w": P()},
+                axis_names={"data"},
+            )
+        )
+        got = np.asarray(
+            run(params, state, jax.device_put(xs, NamedSharding(mesh, P("data"))))["w"]
+        )
+    halves = [xs[:2].astype(np.float64), xs[2:].astype(np.float64)]
+    grads = [h.T @ (1 - np.tanh(h @ np.ones((8, 4))) ** 2) for h in halves]
+    np.testing.assert_allclose(got, 1 - LR * np.mean(grads, 0), rtol=1e-5)
