@@ -313,14 +313,15 @@ def place(x, spec: P):
     init puts it unless its ``out_shardings`` say otherwise
     (:func:`jaxcomm.data_parallel` reads it there); inside ``shard_map`` or
     without a mesh, `x` is left as it is (its caller places it)."""
+    named = {a for e in spec for a in spec_axes(e)}
     if isinstance(x, jax.core.Tracer):
+        # Replicated (P()) too: left free, XLA would pick a placement of its own.
         mesh = jax.sharding.get_abstract_mesh()
-        named = {a for e in spec for a in spec_axes(e)}
-        if mesh.empty or not named or not named <= set(mesh.auto_axes):
+        if mesh.empty or mesh.manual_axes or not named <= set(mesh.auto_axes):
             return x
         return jax.lax.with_sharding_constraint(x, spec)
     mesh = jax.sharding.get_mesh()
-    return x if mesh.empty else jax.device_put(x, NamedSharding(mesh, spec))
+    return x if mesh.empty or not named else jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def spec_axes(entry) -> tuple:

@@ -261,10 +261,11 @@ def _opt_state_placed(x, mesh, axis, built: dict):
     wanted = built[key][1]
 
     def one(leaf, sharding):
+        # Only what out_shardings left replicated (no metadata placed it).
         if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
             return leaf
         now = getattr(leaf, "sharding", None)
-        if now is not None and now.is_equivalent_to(sharding, leaf.ndim):
+        if now is not None and not now.is_fully_replicated:
             return leaf
         return jax.device_put(leaf, sharding)
 

@@ -23,7 +23,7 @@ import optax
 from jaxcomm import _flat, _validate
 from jaxcomm.collectives import over_shards, reduction, varying_axes
 from jaxcomm.state import comm_stats, per_device
-from jaxcomm.transforms import _in_shards
+from jaxcomm.transforms import _in_shards, _stacks
 from jaxcomm.transforms._buckets import reduce_in_buckets
 
 # PowerSGD's small products decide what is sent: keep them in full float32 on
@@ -85,6 +85,7 @@ def powersgd(
     warm_start: bool = True,
     seed: int = 0,
     mask="auto",
+    stacked="auto",
     wire_dtype=None,
     algorithm: str = "auto",
     backend: str = "auto",
@@ -93,7 +94,8 @@ def powersgd(
 
     Put it first in an ``optax.chain``, as :func:`jaxcomm.allreduce_gradients`,
     inside ``jax.shard_map`` or ``jax.pmap``. A leaf of ``ndim >= 2`` is a matrix
-    M of shape ``(shape[0], prod(shape[1:]))``, compressed at rank ``r = min(rank,
+    M of shape ``(shape[0], prod(shape[1:]))`` (each layer of a ``stacked`` leaf
+    is one), compressed at rank ``r = min(rank,
     rows, cols)`` when ``mask`` allows it and ``(rows + cols) * r *
     min_compression_rate <= rows * cols``. After ``start_step`` dense steps, for
     each M, with ``e`` this device's residual, ``Q`` the last step's factor and
@@ -113,8 +115,10 @@ def powersgd(
       warm_start, seed: start from the last step's Q; seed of the draws of new Q columns.
       mask: ``"auto"`` (an embedding-like matrix stays dense: docs/powersgd.md),
         ``None`` (any matrix), or as optax's ``mask``: False keeps a leaf dense.
-      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every collective;
-        the factors are computed in float32 (float64 for float64 gradients).
+      stacked: leaves whose first axis stacks layers (``nn.scan``), one matrix each:
+        ``"auto"`` (Flax metadata names it ``"layers"``), ``None``, or as ``mask``.
+      wire_dtype: ``None``, ``jnp.float16`` or ``jnp.bfloat16`` for every collective
+        (the factors in float32; float64 for float64 gradients).
       algorithm, backend: as in :func:`jaxcomm.allreduce`.
 
     Returns:
@@ -145,13 +149,17 @@ def powersgd(
       (3, 0.1077)
 
     References:
-      Vogels, Karimireddy and Jaggi, `PowerSGD: Practical Low-Rank Gradient
-      Compression for Distributed Optimization <https://arxiv.org/abs/1905.13727>`_,
-      NeurIPS 2019.
+      Vogels, Karimireddy and Jaggi, `PowerSGD <https://arxiv.org/abs/1905.13727>`_, 2019.
     """
     rank, start_step, min_compression_rate, seed = _check_options(
         rank, start_step, min_compression_rate, error_feedback, warm_start, seed, mask
     )
+    if isinstance(stacked, str) and stacked != "auto":
+        raise ValueError(
+            f"stacked={stacked!r} must be 'auto', None, a pytree of bools or a callable"
+        )
+    if stacked is not None and not isinstance(stacked, str) and not callable(stacked):
+        _check_mask_leaves(stacked, "stacked")
     comm = reduction(
         axis_name, op="mean", wire_dtype=wire_dtype, algorithm=algorithm, backend=backend
     )
@@ -159,24 +167,30 @@ def powersgd(
     # Each tree's leaves as init saw them: whole shapes and the mesh axes of
     # each dimension, where params are sharded over other axes than
     # axis_name ("fsdp"); update sees only its shards.
+    # And which leaves stack layers (see _stacks), each layer a leaf of its own
+    # (the layouts and `leaves` below are of those expanded leaves).
     layouts: dict = {}
+    stacks: dict = {}
 
     def matrices(tree, leaves) -> list[_Matrix]:
-        layout = layouts.get(per_device.plain_structure(tree))
+        key = per_device.plain_structure(tree)
+        layout, stack = layouts.get(key), stacks.get(key, _stacks.Stacks(()))
         allowed = _allowed(mask, tree, layout)
+        if allowed is not None and not isinstance(mask, str):  # one flag per leaf of `tree`
+            allowed = stack.repeat(allowed)
         return _matrices(leaves, rank, min_compression_rate, allowed, layout)
 
     def init(params):
-        leaves, treedef = jax.tree.flatten(params)
+        whole = jax.tree.leaves(params)
         specs = per_device.declared_specs(params)
         key = per_device.plain_structure(params)
+        stack = stacks[key] = _stacks.find(params, stacked, specs)
+        leaves = stack.expand(whole)
+        specs = _layer_specs(specs, stack)
         layouts[key] = tuple(_layout(x, s) for x, s in zip(leaves, specs, strict=True))
         mats = matrices(params, leaves)
-        if not mats and leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
-            layout = layouts[key]
-            _warn_nothing_compressed(
-                params, layout, _allowed(mask, params, layout), mask, rank, min_compression_rate
-            )
+        if leaves and math.isfinite(min_compression_rate):  # inf: dense on purpose
+            _warn_dense(params, whole, stack, layouts[key], mats, mask, rank, min_compression_rate)
         residual = ()
         if error_feedback:
             residual = per_device.per_device_zeros(
@@ -192,10 +206,12 @@ def powersgd(
 
     def update(updates, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(updates)
-        comm.check_dtypes(leaves)
+        whole, treedef = jax.tree.flatten(updates)
+        comm.check_dtypes(whole)
         bound = comm.bind()
         bound.check_local(updates)
+        stack = stacks.get(per_device.plain_structure(updates), _stacks.Stacks(()))
+        leaves = stack.expand(whole)
         mats = matrices(updates, leaves)
         dtype = _factor_dtype(leaves, mats)
         residual = per_device.local(state.residual) if error_feedback else ()
@@ -221,7 +237,7 @@ def powersgd(
         else:
             branch = jax.lax.cond(state.count < start_step, dense_step, compressed_step)
         out, new_residual, q, payload, count = branch
-        out = jax.tree.unflatten(treedef, out)
+        out = jax.tree.unflatten(treedef, stack.collapse(out) if stack.counts else out)
         nonfinite = comm_stats.any_nonfinite(out)
 
         dense_payload = sum(
@@ -413,10 +429,45 @@ def compressed_matrices(
     return _compression_plan(shapes, rank, min_compression_rate, allowed)
 
 
-def _warn_nothing_compressed(params, layout, allowed, mask, rank, rate: float) -> None:
+def _layer_specs(specs, stack) -> list:
+    """Each expanded leaf's spec: a stacked leaf's layers have its spec
+    without the layer axis."""
+    out = []
+    for spec, n in zip(specs, stack.counts or [0] * len(specs), strict=True):
+        out += [spec[1:] if spec else spec] * n if n else [spec]
+    return out
+
+
+def _warn_dense(params, whole, stack, layout, mats, mask, rank, rate: float) -> None:
+    """At init: where no leaf is compressed, says so (every step would send
+    the whole gradient densely); and names each leaf of 3 or more dimensions
+    sent dense that no metadata or option said stacks layers (the usual
+    sign of layers stacked by nnx.vmap or nn.scan, which compress per layer)."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if not mats:
+        allowed = _allowed(mask, params, layout)
+        if allowed is not None and not isinstance(mask, str):
+            allowed = stack.repeat(allowed)
+        _warn_nothing_compressed(stack.repeat(paths), layout, allowed, mask, rank, rate)
+        return
+    compressed = {m.leaf for m in mats}
+    i = 0
+    for path, x, n in zip(paths, whole, stack.counts or [0] * len(whole), strict=True):
+        if not n and np.ndim(x) >= 3 and i not in compressed:
+            warnings.warn(
+                f"powersgd: params{path} of shape {tuple(np.shape(x))} is sent dense: as one "
+                f"{np.shape(x)[0]} x {math.prod(np.shape(x)[1:])} matrix it does not compress. "
+                "If its first axis stacks layers (nnx.vmap, nnx.scan, nn.scan), say so with "
+                "stacked= (a pytree of bools, as mask) or name that axis 'layers' in its "
+                "partitioning metadata, and each layer is compressed",
+                stacklevel=4,
+            )
+        i += n or 1
+
+
+def _warn_nothing_compressed(paths, layout, allowed, mask, rank, rate: float) -> None:
     """Says so at init where no leaf is compressed: every step would then send
     the whole gradient densely, and nothing else would show it but the stats."""
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     i = max(range(len(paths)), key=lambda j: math.prod(layout[j][0]))
     shape = layout[i][0]
     if allowed is not None and not allowed[i]:
@@ -450,7 +501,7 @@ def _warn_nothing_compressed(params, layout, allowed, mask, rank, rate: float) -
 def _place_q(q, m: _Matrix):
     """A warm-start Q of `m`, split over the mesh axes of m's columns where
     init runs under a mesh (its rows are the matrix's columns)."""
-    return per_device.place(q, jax.sharding.PartitionSpec(m.col_axes)) if m.col_axes else q
+    return per_device.place(q, jax.sharding.PartitionSpec(m.col_axes or None))
 
 
 def _block(x, axes: tuple, size: int):
