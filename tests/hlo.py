@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import jax
 
-from jaxcomm.distributed.hlo import _COLLECTIVE_OPCODES, _attributes
+from jaxcomm.distributed.hlo import _COLLECTIVE_OPCODES, _attributes, _explicit_groups
 
 # jaxcomm's FFI custom calls that exchange data between devices; the others
 # (jaxcomm_pool, jaxcomm_after, jaxcomm_chunk_l1, jaxcomm_chunk_residual)
@@ -249,6 +249,12 @@ def custom_calls(hlo, target: str | None = None, *, branches: bool = True) -> li
         for i in program(hlo).walk(branches=branches)
         if i.opcode == "custom-call" and target in (None, i.target)
     ]
+
+
+def replica_groups(instruction: Instruction) -> str:
+    """A collective's replica groups as XLA's explicit list, ``{{0,4},{1,5}}``,
+    whichever form (list, iota, mesh axes) this XLA printed them in."""
+    return _explicit_groups(instruction.attributes.get("replica_groups", ""))
 
 
 def count(hlo, opcode: str, *, branches: bool = True) -> int:

@@ -152,7 +152,7 @@ def test_bf16_wire_matches_numpy_and_sends_each_devices_shards_only():
         sent = [
             a
             for i in hlo.collectives(compiled)
-            if i.attributes.get("replica_groups") == "{{0,4},{1,5},{2,6},{3,7}}"
+            if hlo.replica_groups(i) == "{{0,4},{1,5},{2,6},{3,7}}"
             for a in i.arrays
         ]
         _dp_step(model, opt, x, y)

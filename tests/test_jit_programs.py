@@ -166,7 +166,7 @@ def test_the_traffic_over_the_data_axis_is_each_devices_shards(backend):
     sent = [
         i
         for i in hlo.collectives(program)
-        if i.attributes.get("replica_groups") == DATA_GROUPS
+        if hlo.replica_groups(i) == DATA_GROUPS
         or (i.opcode == "custom-call" and i.target in hlo.COMMUNICATING_TARGETS)
     ]
     elements = sum(i.elements for i in sent)
