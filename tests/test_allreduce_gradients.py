@@ -233,16 +233,26 @@ def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
 
 
 @pytest.mark.parametrize(
-    "backend,collective",
-    [("ffi", 'custom_call_target="jaxcomm_allreduce'), ("xla", "all-reduce(")],
+    "backend,in_step,double_buffered",
+    [
+        (
+            "ffi",
+            'custom_call_target="jaxcomm_allreduce',  # or _parts
+            'custom_call_target="jaxcomm_allreduce_done"',
+        ),
+        ("xla", "all-reduce(", "all-reduce("),
+    ],
 )
-def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backend, collective):
+def test_double_buffered_collective_does_not_read_the_steps_gradient(
+    mesh, backend, in_step, double_buffered
+):
     """In the compiled step, the collective's operands come from the state
     alone: nothing the step's backward pass produces, so XLA may run it
     under the forward and backward passes. Without double buffering it
-    reads the gradient."""
+    reads the gradient. On CPU's ffi the collective was started by the
+    previous step: this step only waits for it, on the handle."""
     reads = {}
-    for db in (False, True):
+    for db, collective in ((False, in_step), (True, double_buffered)):
         tx = jaxcomm.allreduce_gradients(
             "data",
             backend=backend,
@@ -252,23 +262,30 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backe
         )
         entry, first_grad = _compiled_step(tx, mesh)
         calls = [n for n, rhs in entry.items() if collective in rhs]
+        assert calls
         reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
     assert reads == {False: {False, True}, True: {False}}
 
 
 def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
-    """ffi on CPU: the collective's only reader is a jaxcomm_after call that
-    also takes the step's gradient, so everything that reads the reduced
-    gradient comes after the backward pass (and XLA cannot lend the result's
-    memory to it, which would make the backward pass wait for the
-    collective). Without double buffering there is nothing to hold."""
+    """ffi on CPU: each bucket's result (the started exchange's, or the kept
+    buffer reduced where this job did not start it: a conditional) has one
+    reader, a jaxcomm_after call that also takes the step's gradient, so
+    everything that reads the reduced gradient comes after the backward pass
+    (and XLA cannot lend the result's memory to it, which would make the
+    backward pass wait for the exchange). Without double buffering there is
+    nothing to hold."""
     for db in (False, True):
         tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
         entry, first_grad = _compiled_step(tx, mesh)
-        calls = [n for n, rhs in entry.items() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
-        assert len(calls) == len(SHAPES)
-        for call in calls:
-            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(call)}\b", rhs)]
+        if db:
+            results = [n for n, rhs in entry.items() if "get-tuple-element(%conditional" in rhs]
+        else:
+            target = 'custom_call_target="jaxcomm_allreduce"'
+            results = [n for n, rhs in entry.items() if target in rhs]
+        assert len(results) == len(SHAPES)
+        for result in results:
+            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(result)}\b", rhs)]
             held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
             assert held == (readers[:1] if db else []) and len(readers) >= 1
             if db:
@@ -276,23 +293,25 @@ def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
                 assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
 
 
-def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
-    """One leaf per bucket: each call's operand is the state's buffer itself
-    (a parameter, seen through a bitcast), not a copy. A copy is work the
-    call must wait for; reducing in place (the result taking the operand's
-    buffer) would need one, since the step does not own its parameters."""
+def test_double_buffered_step_starts_the_next_exchange_on_the_gradient(mesh):
+    """ffi on CPU, one leaf per bucket: the step starts the next step's
+    exchange on the step's gradient itself (a parameter, seen through a
+    bitcast; the handler copies it), and no collective runs in the step
+    itself, outside the branch that reduces a restored state's buffer."""
     tx = jaxcomm.allreduce_gradients(
         "data", backend="ffi", algorithm="direct", bucket_bytes=0, double_buffering=True
     )
-    entry, _ = _compiled_step(tx, mesh)
-    calls = [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
-    assert len(calls) == len(SHAPES)
-    for call in calls:
+    entry, first_grad = _compiled_step(tx, mesh)
+    starts = [
+        rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce_start"' in rhs
+    ]
+    assert len(starts) == len(SHAPES)
+    for call in starts:
         operand = re.search(r"custom-call\(%([\w.\-]+)", call).group(1)
         while "bitcast(" in entry[operand]:
             operand = re.search(r"bitcast\(%([\w.\-]+)", entry[operand]).group(1)
-        assert "parameter(" in entry[operand], entry[operand]
-        assert "output_to_operand_aliasing" not in call
+        assert int(re.search(r"parameter\((\d+)\)", entry[operand]).group(1)) >= first_grad
+    assert not [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
 
 
 @pytest.mark.parametrize("backend", ["xla", "ffi"])

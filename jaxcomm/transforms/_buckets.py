@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _flat
 from jaxcomm._validate import check_bucket_bytes
+from jaxcomm.collectives import to_varying, varying_axes
 
 
 def plan_buckets(
@@ -122,3 +125,67 @@ def reduce_in_buckets(
         for i, red in zip(bucket, reduced, strict=True):
             out[i] = bound.sum_from_mean(red) if scale_back else red
     return out, buckets_payload(leaves, buckets, bound), len(buckets)
+
+
+def start_in_buckets(leaves, bound, bucket_bytes: float) -> list:
+    """Starts one allreduce per bucket of the fusion plan
+    (``BoundReduction.allreduce_start``) and returns at once one int32[3]
+    handle per leaf, its bucket's (zeros for a leaf in no bucket): the
+    buckets are known only here, and init must shape the state per leaf.
+    :func:`finish_in_buckets` takes them in a later step."""
+    out = [jnp.zeros(3, jnp.int32)] * len(leaves)
+    for bucket in leaf_buckets(leaves, bucket_bytes):
+        flat = bound.backend.concatenate(
+            bound.reduction.axes, [jnp.ravel(leaves[i]) for i in bucket]
+        )
+        handle = bound.allreduce_start(flat)
+        for i in bucket:
+            out[i] = handle
+    return out
+
+
+def finish_in_buckets(
+    handles, sent, bound, bucket_bytes: float, *, scale_back: bool = False, after=()
+):
+    """:func:`reduce_in_buckets` of `sent` whose collectives
+    :func:`start_in_buckets` started in an earlier step: each bucket's result
+    is waited for, or, where this job did not start it (a state restored
+    from a checkpoint, or the first step's zeros), `sent` is reduced here in
+    the same bucket, with the same schedule: the same bits either way.
+    Returns (reduced leaves, payload bytes, number of collectives)."""
+    buckets = leaf_buckets(sent, bucket_bytes)
+    out = list(sent)
+    for bucket in buckets:
+        parts = _finish(handles[bucket[0]], [sent[i] for i in bucket], bound)
+        for i, red in zip(bucket, parts, strict=True):
+            if after:
+                red = bound.after(red, after)
+            out[i] = bound.sum_from_mean(red) if scale_back else red
+    return out, buckets_payload(sent, buckets, bound), len(buckets)
+
+
+def _finish(handle, parts, bound):
+    """One bucket's reduced parts: the started exchange's result, else
+    `parts` reduced here, in one collective as the step would."""
+    like = jax.ShapeDtypeStruct((sum(int(np.size(p)) for p in parts),), parts[0].dtype)
+    result, found = bound.allreduce_done(handle, like, missing_ok=True)
+    # Each part typed as the in-step collective's result (reduced over the
+    # axes, still varying over those its gradient varies over beside them:
+    # a bucket may hold a model's shards beside its replicated leaves) and
+    # as the handle (replicated, unless the caller typed its state varying).
+    axes = bound.reduction.axes
+    types = [
+        tuple(sorted({a for a in varying_axes(p) if a not in axes} | set(varying_axes(result))))
+        for p in parts
+    ]
+
+    def typed(pieces):
+        return [to_varying(x, t) if t else x for x, t in zip(pieces, types, strict=True)]
+
+    def started(result, _):
+        return typed(_flat.split(result, [jnp.shape(p) for p in parts]))
+
+    def reduce_here(_, parts):
+        return typed(bound.allreduce_bucket(parts, in_place=False))
+
+    return jax.lax.cond(found > 0, started, reduce_here, result, parts)

@@ -18,7 +18,7 @@ from jaxcomm._validate import check_bucket_bytes
 from jaxcomm.collectives import reduction
 from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
-from jaxcomm.transforms._buckets import reduce_in_buckets
+from jaxcomm.transforms._buckets import finish_in_buckets, reduce_in_buckets, start_in_buckets
 
 
 class AllReduceGradientsState(NamedTuple):
@@ -33,11 +33,15 @@ class AllReduceGradientsState(NamedTuple):
         the previous step, error feedback added (what the next step
         reduces), or ``()``.
       stats: :class:`jaxcomm.CommStats` of the last step.
+      handles: where the double buffer's exchange is started at the end of a
+        step and finished in the next (jaxcomm's CPU transport), one int32[3]
+        handle per leaf, its bucket's; else ``()``.
     """
 
     residual: Any
     buffer: Any
     stats: comm_stats.CommStats
+    handles: Any = ()
 
 
 def allreduce_gradients(
@@ -112,12 +116,23 @@ def allreduce_gradients(
       >>> int(jaxcomm.get_stats(state).collectives)
       1
     """
-    comm = reduction(axis_name, op=op, wire_dtype=wire_dtype, algorithm=algorithm, backend=backend)
+    comm = reduction(
+        axis_name,
+        op=op,
+        wire_dtype=wire_dtype,
+        algorithm=algorithm,
+        backend=backend,
+        started=double_buffering,
+    )
     if bucket_bytes is not None:
         check_bucket_bytes(bucket_bytes)
     comm.wire.check_error_feedback(error_feedback)
     scale_back = comm.wire.scales_back(op)
     comm = comm.with_op(comm.wire.collective_op(op))
+
+    def started() -> bool:
+        # Decided the same way by init and update: the platform's, not the axes'.
+        return double_buffering and comm.starts_async
 
     def init(params):
         return AllReduceGradientsState(
@@ -128,6 +143,8 @@ def allreduce_gradients(
                 else ()
             ),
             stats=comm_stats.empty_stats(),
+            # Zeros name no exchange: the first step reduces the zero buffer.
+            handles=[jnp.zeros(3, jnp.int32) for _ in jax.tree.leaves(params)] if started() else (),
         )
 
     def update(updates, state, params=None):
@@ -159,9 +176,21 @@ def allreduce_gradients(
             after = [bound.after(jnp.zeros((), jnp.int32), jax.tree.leaves(updates))]
         # The buffer is a parameter of the step: reducing it in place would
         # copy it first, and the call would wait for the copy.
-        reduced, payload, count = reduce_in_buckets(
-            leaves, bound, theta, scale_back=scale_back, in_place=not double_buffering, after=after
-        )
+        if started():
+            # Started at the end of the previous step: it travelled while
+            # this step computed.
+            reduced, payload, count = finish_in_buckets(
+                state.handles, leaves, bound, theta, scale_back=scale_back, after=after
+            )
+        else:
+            reduced, payload, count = reduce_in_buckets(
+                leaves,
+                bound,
+                theta,
+                scale_back=scale_back,
+                in_place=not double_buffering,
+                after=after,
+            )
         reduced = jax.tree.unflatten(treedef, reduced)
         nonfinite = comm_stats.any_nonfinite(reduced) if check_finite else jnp.bool_(False)
 
@@ -173,9 +202,13 @@ def allreduce_gradients(
                 outgoing,
                 residual,
             )
-        buffer = state.buffer
+        buffer, handles = state.buffer, state.handles
         if double_buffering:
             buffer = jax.tree.map(jnp.add, updates, residual) if error_feedback else updates
+            if started():
+                # The next step's exchange leaves now, and is kept too, for a
+                # job that restores this state without the exchange in flight.
+                handles = start_in_buckets(jax.tree.leaves(buffer), bound, theta)
             buffer = per_device.as_row(buffer, comm.axes)
         if error_feedback:
             residual = per_device.as_row(residual, comm.axes)
@@ -187,6 +220,6 @@ def allreduce_gradients(
             density=jnp.float32(1),
             nonfinite=nonfinite,
         )
-        return reduced, AllReduceGradientsState(residual, buffer, stats)
+        return reduced, AllReduceGradientsState(residual, buffer, stats, handles)
 
     return optax.GradientTransformation(init, _in_shards.in_shards(update, comm.axes))
