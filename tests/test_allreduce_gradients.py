@@ -648,3 +648,58 @@ def test_gradient_through_a_bucket_is_that_through_leaves(mesh, dtype):
         mine = np.broadcast_to(np.float32(weights[k]) / 8, (8, 300) if k == "kernel" else (10,))
         expected = np.concatenate([mine] * 8)
         np.testing.assert_allclose(np.asarray(unfused[k], np.float32), expected, rtol=1e-2)
+
+
+def _started_run(tx, grads, mesh, *, forget_at=None):
+    """Runs `tx`'s update on each step's `grads` (state carried by
+    state_specs, one step in flight), returning the updates and, after each
+    step, how many more allreduces are in flight than before. At step `forget_at` the state's
+    handles are made another job's (as in a state restored by a new
+    process): that step must reduce the buffer it kept."""
+    from jaxcomm import _ffi
+
+    with jax.set_mesh(mesh):
+        state = tx.init(_params())
+    specs = jaxcomm.state_specs(state, "data")
+
+    def step(state, g):
+        return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs))
+    )
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    updates, in_flight, before = [], [], _ffi.in_flight()
+    for t, g in enumerate(grads):
+        if t == forget_at:
+            other_job = np.array([1, 0, 0], np.int32)  # the nonce another job drew
+            state = state._replace(handles=[np.asarray(h) + other_job for h in state.handles])
+        g = jax.device_put(g, NamedSharding(mesh, P("data")))
+        u, state = jax.block_until_ready(run(state, g))
+        updates.append(jax.tree.map(np.asarray, u))
+        in_flight.append(_ffi.in_flight() - before)
+    return updates, in_flight
+
+
+@pytest.mark.parametrize("wire,bucket_bytes", [(None, math.inf), (jnp.bfloat16, 0)])
+def test_double_buffered_exchange_travels_between_steps(mesh, wire, bucket_bytes):
+    """ffi on CPU: each step leaves its buffer's exchange in flight (one per
+    bucket and device) for the next step to finish, and the result is the
+    in-step delayed computation's, bitwise: dense's of the step before. A
+    state whose exchange this job did not start (another job's handles)
+    reduces its kept buffer in the step, to the same bits."""
+    grads = _grads(steps=4)
+    options = dict(backend="ffi", wire_dtype=wire, bucket_bytes=bucket_bytes)
+    db = jaxcomm.allreduce_gradients("data", double_buffering=True, **options)
+    dense, _, _ = run_steps(jaxcomm.allreduce_gradients("data", **options), _params(), grads, mesh)
+    buckets = 1 if bucket_bytes else sum(1 for s in SHAPES.values() if math.prod(s))
+    for forget_at in (None, 2):
+        updates, in_flight = _started_run(db, grads, mesh, forget_at=forget_at)
+        # Each step's exchange is in flight until the next step finishes it;
+        # the one whose handles were replaced is never finished.
+        left = [int(forget_at is not None and t >= forget_at) for t in range(len(grads))]
+        assert in_flight == [(1 + x) * buckets * 8 for x in left]
+        for k in SHAPES:
+            np.testing.assert_array_equal(updates[0][k], np.zeros(SHAPES[k], np.float32))
+            for t in range(1, len(grads)):
+                np.testing.assert_array_equal(updates[t][k], dense[t - 1][k][0])  # rows alike
