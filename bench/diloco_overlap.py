@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
+import timeline  # noqa: E402
 
 CONFIGS = ("local", "overlapped", "sync", "plain")
 AXIS = "data"
@@ -241,30 +242,11 @@ def split_steps(run: dict) -> tuple[list, list]:
 
 
 def plot(runs: dict, path: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in CONFIGS if n in runs]
-    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(names)))
-    for y, name in enumerate(reversed(names)):
-        r = runs[name]
-        first = r["step_times"][0][0]
-        bars = [(a - first, b - a) for a, b in r["step_times"]]
-        ax.broken_barh(bars, (y - 0.3, 0.6), facecolors=["#4c72b0", "#8da0cb"] * len(bars))
-        for e in r.get("exchanges", []):
-            ax.plot(
-                [e["started"] - first, e["reduced"] - first], [y + 0.38] * 2, "-", color="#dd8452"
-            )
-            ax.plot([e["landed"] - first], [y + 0.38], "v", color="#c44e52")
-    ax.set_yticks(range(len(names)), list(reversed(names)))
-    ax.set_xlabel("seconds since the first timed step (host 0); bars: steps")
-    ax.set_title(
-        "DiLoCo steps; orange: a started exchange on the network, red: its landing step waits"
+    timeline.plot(
+        {n: runs[n] for n in CONFIGS if n in runs},
+        path,
+        "DiLoCo steps; orange: a started exchange on the network, red: its landing step waits",
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
     say(f"timeline in {path}")
 
 

@@ -24,7 +24,12 @@ Workloads:
 - ``train``: a wide MLP (~21M parameters by default) trained with each
   gradient exchange configuration: median step time, one step in flight,
   held-out accuracy after every step, and the time to ``--target-acc``
-  (steps to reach it x median step time).
+  (steps to reach it x median step time). Then where each step goes against
+  ``compute``'s step (no exchange): its bytes sent over the measured link,
+  its collectives x a one-element allreduce's time, and the rest; for an
+  exchange that one step starts and the next finishes (double buffering on
+  CPU's ffi), how long it travelled and how long the next step waited for
+  it, and with ``--png`` their timeline.
 - ``train --fsdp F``: the same MLP sharded (HSDP, docs/sharded.md): its
   weight matrices split over the F devices of each process ("fsdp"),
   replicated across processes ("data", the shaped link), each configuration
@@ -38,6 +43,8 @@ Usage::
 
     python bench/network.py --workload allreduce --rate 100mbit,1gbit --json ar.json
     python bench/network.py --workload train --rate 100mbit --hosts 4
+    python bench/network.py --workload train --configs compute,allreduce_ffi,double_buffering_ffi \
+        --hidden 512 --batch-per-device 3072 --png db.png   # compute ~ exchange: the overlap
     python bench/network.py --workload train --fsdp 2 --hosts 2 --rate 1gbit,100mbit
     python bench/network.py --check-link --rate 100mbit,1gbit,10gbit
     python bench/network.py --quick
@@ -54,6 +61,7 @@ sys.path[:0] = [os.path.join(REPO, "bench"), REPO]
 
 import netbed  # noqa: E402  (beside this file)
 import network_worker  # noqa: E402  (imports JAX only when run)
+import timeline  # noqa: E402
 
 WORKER = os.path.join(REPO, "bench", "network_worker.py")
 ALL_CONFIGS = ",".join(network_worker.TRAIN_CONFIGS)
@@ -129,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a run of a few minutes")
     parser.add_argument("--check-link", action="store_true", help="only measure the links")
     parser.add_argument("--json", help="write result rows to this file")
+    parser.add_argument(
+        "--png", help="train: a timeline of the steps and of each exchange that outlives one"
+    )
     parser.add_argument("--timeout", type=float, help="seconds for the whole run (default 3600)")
     parser.add_argument("--fail-rank", type=int, help=argparse.SUPPRESS)  # tests: teardown
     args = parser.parse_args(argv)
@@ -237,7 +248,7 @@ def table(rows: list[dict], workload: str) -> str:
                 )
             else:
                 lines.append(f"{r['config']:<19}  {r.get('error')}")
-        return "\n".join(lines)
+        return "\n".join(lines + breakdown(rows))
     if workload == "overlap":
         lines = [
             f"{'path':<6}{'size':>9}{'compute s':>11}{'allreduce s':>13}{'both s':>9}{'overlap':>9}"
@@ -254,6 +265,51 @@ def table(rows: list[dict], workload: str) -> str:
     return "\n".join(lines)
 
 
+def breakdown(rows: list[dict]) -> list[str]:
+    """Where each configuration's step goes, against the compute-only step:
+    ``wire`` is its bytes sent per device over the measured link rate,
+    ``latency`` its collectives x a one-element allreduce's time on its
+    backend, ``rest`` what the step takes beyond compute + wire + latency
+    (encode, pack, waiting; negative where the exchange hides under compute).
+    ``/ bound`` is the step over max(compute, wire + latency): what a step
+    that hid the exchange completely would take."""
+    compute = next((r["step_s"] for r in rows if r["config"] == "compute" and "step_s" in r), 0)
+    link = next((r.get("measured_bps") for r in rows if r["config"] == "link"), None)
+    timed = [r for r in rows if "bytes_sent" in r and "step_s" in r]
+    if not (compute and timed):
+        return []
+    lines = [
+        "",
+        "where the step goes (s; wire at the measured link rate"
+        f"{f' {link / 1e6:.1f} Mbit/s' if link else ''})",
+        f"{'config':<22}{'step':>8}{'compute':>9}{'wire':>8}{'latency':>9}{'rest':>8}"
+        f"{'/ compute':>11}{'/ bound':>9}",
+    ]
+    for r in timed:
+        rate = (link or r["rate_bps"]) / 8
+        wire = r["bytes_sent"] / rate
+        lat = r["collectives"] * r["collective_latency_s"]
+        rest = r["step_s"] - compute - wire - lat
+        bound = max(compute, wire + lat)
+        lines.append(
+            f"{r['config']:<22}{r['step_s']:>8.3f}{compute:>9.3f}{wire:>8.3f}{lat:>9.3f}"
+            f"{rest:>8.3f}{r['step_s'] / compute:>10.2f}x{r['step_s'] / bound:>8.2f}x"
+        )
+    return lines + [timeline.describe(r["config"], r) for r in timed if r.get("exchanges")]
+
+
+def plot(rows: list[dict], path: str):
+    """The timeline of each configuration whose exchanges outlive a step."""
+    runs = {r["config"]: r for r in rows if r.get("exchanges")}
+    if runs:
+        title = (
+            "orange: an exchange on the network, started as a step ends; "
+            "red: the next step asks for it"
+        )
+        timeline.plot(runs, path, title)
+        say(f"timeline in {path}")
+
+
 def run_inside(args) -> int:
     def commands(rate, rows):
         del rate, rows
@@ -265,6 +321,8 @@ def run_inside(args) -> int:
             f"{', fsdp inside a host' if args.fsdp else ''}\n" + table(rows, args.workload),
             flush=True,
         )
+        if args.png and args.workload == "train":
+            plot(rows, args.png)
 
     return netbed.run_testbed(
         commands,

@@ -649,9 +649,10 @@ def run_train(args):
                 if config == "compute" or accuracy is None
                 else [float(accuracy(params, *held_out))]
             )
+            spans = []  # each timed step's (start, end) on time.monotonic's clock
             for i in range(args.steps + 1):  # the first compiles
                 x, y = batches[i]
-                start = time.perf_counter()
+                start, began = time.perf_counter(), time.monotonic()
                 # One step in flight: overlapping CPU collectives can abort.
                 # A trace of host 0's last step, to see what ran when (thunks).
                 profile = os.environ.get("JAXCOMM_BENCH_PROFILE")
@@ -664,6 +665,7 @@ def run_train(args):
                     params, opt_state, loss = jax.block_until_ready(run(params, opt_state, x, y))
                 if i:
                     times.append(time.perf_counter() - start)
+                    spans.append((began, time.monotonic()))
                 losses.append(float(loss))
                 seconds = time.perf_counter() - start
                 if accs:
@@ -672,7 +674,14 @@ def run_train(args):
             row["step_s"] = statistics.median(times)
             # DiLoCo's syncs are rare steps: the mean is its cost per step.
             row["mean_step_s"] = statistics.mean(times)
+            # DiLoCo's stats are its last step's, not a mean step's.
+            if config != "compute" and not config.startswith(("diloco", "streaming")):
+                row.update(traffic(run, (params, opt_state, *batches[0]), tx, opt_state))
+                row["collective_latency_s"] = latency(mesh, axes, config)
             row["loss_first"], row["loss_last"] = losses[0], losses[-1]
+            exchanges = started_exchanges(spans[0][0])
+            if exchanges:  # exchanges that outlive a step: when each travelled
+                row["step_times"], row["exchanges"] = spans, exchanges
             if args.params_out:
                 save_params(args.params_out, config, params)
             if accs:
@@ -682,6 +691,78 @@ def run_train(args):
             progress(f"train {config}: {row['error']}")
         emit(row, out)
     return out
+
+
+def started_exchanges(since: float) -> list[dict]:
+    """This process's first device's started exchanges (allreduces that one
+    step starts and a later one finishes) since ``since``: when each was
+    started, done on the network, waited for and returned
+    (``jaxcomm._ffi.async_timeline``, time.monotonic's clock)."""
+    import jax
+
+    from jaxcomm import _ffi
+
+    me = jax.local_devices()[0].id
+    keys = ("started", "reduced", "landed", "returned")
+    return [
+        dict(zip(keys, e[4:], strict=True))
+        for e in _ffi.async_timeline()
+        if e[0] == me and e[4] >= since
+    ]
+
+
+def traffic(run, args, tx, opt_state) -> dict:
+    """What a step sends, per device: ``bytes_sent`` and ``collectives`` from
+    jaxcomm's stats, or for the hand-written pmean (no jaxcomm state) its
+    all-reduces in the compiled program and their bytes on a ring."""
+    import jax
+    import numpy as np
+
+    import jaxcomm
+
+    if tx is not None:
+        stats = jaxcomm.get_stats(opt_state)
+        return {"bytes_sent": float(stats.bytes_sent), "collectives": int(stats.collectives)}
+    hlo = run.lower(*args).compile().as_text()
+    calls = [
+        line for line in hlo.splitlines() if " all-reduce(" in line or "all-reduce-start(" in line
+    ]
+    payload = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
+    n = jax.process_count()
+    return {"bytes_sent": 2 * (n - 1) / n * payload, "collectives": len(calls)}
+
+
+def latency(mesh, axes, config: str, rounds: int = 9) -> float:
+    """Median seconds of a one-element allreduce over ``axes`` on the
+    configuration's backend (jaxcomm's TCP transport for ``*_ffi``, else
+    XLA's gloo): what each collective costs beyond its bytes."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    backend = "ffi" if "_ffi" in config else "xla"
+    spec = P(mesh.axis_names)
+    x = jax.make_array_from_callback(
+        (mesh.size,), NamedSharding(mesh, spec), lambda i: np.ones(1, np.float32)
+    )
+    run = jax.jit(
+        jax.shard_map(
+            lambda v: jaxcomm.allreduce(v, axes, backend=backend),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
+    times = []
+    for i in range(rounds + 1):  # the first compiles
+        start = time.perf_counter()
+        jax.block_until_ready(run(x))
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def save_params(directory: str, config: str, params: dict):

@@ -349,6 +349,26 @@ def time_to(points: list[dict], target: float, higher_is_better: bool) -> float 
     return None
 
 
+def steps_to(points: list[dict], target: float, higher_is_better: bool) -> int | None:
+    """Step of the first evaluation at or past ``target``; None if never."""
+    return next(
+        (r["step"] for r in points if reached(r["quality"], target, higher_is_better)), None
+    )
+
+
+def limit_s(runs: dict, rate: float, base, target: float, higher: bool) -> float | None:
+    """The physical limit of the time to ``target``: dense's steps to it, each
+    as long as the compute-only step (``local``'s, the same model on the
+    same hosts with nothing exchanged)."""
+    local = next(
+        (s for (r, _), (_, s) in runs.items() if r == rate and s and s["config"] == "local"), None
+    )
+    steps = steps_to(base[0], target, higher)
+    if local is None or not steps:
+        return None
+    return local["step_s"] * steps
+
+
 def target_quality(final: float, higher_is_better: bool, tolerance: float) -> float:
     """Dense's final quality, loosened by ``tolerance`` (relative): 0.01 takes
     1% more loss, or 1% less accuracy, as reached."""
@@ -387,6 +407,8 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
             "speedup_at_final": None,
             "vs_plain_diloco": None,
             "vs_plain_diloco_step": None,
+            "limit_s": None,
+            "of_limit": None,
         }
         reference = plain_diloco(summary["config"]) if not entry["projected"] else None
         if reference is not None:
@@ -407,6 +429,9 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
             base_time = time_to(base[0], target, higher)
             if entry["time_to_target_s"] and base_time:
                 entry["speedup"] = base_time / entry["time_to_target_s"]
+            entry["limit_s"] = limit_s(runs, rate, base, target, higher)
+            if entry["limit_s"] and entry["time_to_target_s"]:
+                entry["of_limit"] = entry["limit_s"] / entry["time_to_target_s"]
             entry["quality_vs_dense"] = summary["quality"] / final - 1
             # The other way round: how long dense took to get where this run ended.
             there = time_to(base[0], summary["quality"], higher)
@@ -446,7 +471,7 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
         head = (
             f"{'config':<{width}}{'bytes/step':>12}{'step s':>9}{'mean s':>9}{'steps':>7}"
             f"{'final':>9}{'vs dense':>9}{'vs diloco':>15}{'wall s':>9}{'to target s':>13}"
-            f"{'speed-up':>10}{'dense there s':>15}{'speed-up there':>16}"
+            f"{'speed-up':>10}{'of limit':>10}{'dense there s':>15}{'speed-up there':>16}"
         )
         lines += [head, "-" * len(head)]
         for s in entries:
@@ -475,6 +500,9 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
                     else f"{to:.1f}{own}"
                 ).rjust(13),
                 ("-" if up is None else f"{up:.2f}x{against}").rjust(10),
+                ("-" if s["of_limit"] is None else f"{100 * s['of_limit']:.0f}%{against}").rjust(
+                    10
+                ),
                 ("-" if there is None else f"{there:.1f}{against}").rjust(15),
                 ("-" if up_there is None else f"{up_there:.2f}x{against}").rjust(16),
             ]
@@ -485,7 +513,9 @@ def format_table(summary: list[dict], rows: list[dict], tolerance: float = 0.0) 
         "reaching --stop-at-quality); vs diloco: quality against plain diloco_h{H}'s at "
         "the last step both evaluated (@step); wall s: training time of all steps (no "
         "compile, no evaluation); to target: wall time of the first evaluation reaching "
-        "dense's final quality; speed-up: dense's time to it / this one's; dense there: "
+        "dense's final quality; speed-up: dense's time to it / this one's; of limit: the "
+        "physical limit (local's compute-only step x dense's steps to target) / this "
+        "run's time to target; dense there: "
         "dense's wall time to this run's final quality (first evaluation), '-' if never; "
         "speed-up there: that / this run's own time to it; p: projected."
     )

@@ -268,29 +268,38 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(
 
 
 def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
-    """ffi on CPU: each bucket's result (the started exchange's, or the kept
-    buffer reduced where this job did not start it: a conditional) has one
-    reader, a jaxcomm_after call that also takes the step's gradient, so
-    everything that reads the reduced gradient comes after the backward pass
-    (and XLA cannot lend the result's memory to it, which would make the
-    backward pass wait for the exchange). Without double buffering there is
-    nothing to hold."""
+    """ffi on CPU: what a collective returns (the result; with double
+    buffering also whether the exchange was found) has one reader each, a
+    jaxcomm_after call that also takes the step's gradient, so everything
+    that reads the reduced gradient comes after the backward pass (and XLA
+    cannot lend the result's memory to it, which would make the backward
+    pass wait for the exchange). Without double buffering there is nothing
+    to hold."""
     for db in (False, True):
         tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
         entry, first_grad = _compiled_step(tx, mesh)
-        if db:
-            results = [n for n, rhs in entry.items() if "get-tuple-element(%conditional" in rhs]
-        else:
-            target = 'custom_call_target="jaxcomm_allreduce"'
-            results = [n for n, rhs in entry.items() if target in rhs]
-        assert len(results) == len(SHAPES)
-        for result in results:
-            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(result)}\b", rhs)]
-            held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
-            assert held == (readers[:1] if db else []) and len(readers) >= 1
-            if db:
-                assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
-                assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
+        target = (
+            'custom_call_target="jaxcomm_allreduce_done"'
+            if db
+            else ('custom_call_target="jaxcomm_allreduce"')
+        )
+        calls = [n for n, rhs in entry.items() if target in rhs]
+        assert len(calls) == len(SHAPES)
+        for call in calls:
+            results = [call]
+            if db:  # (result, found): read through get-tuple-element
+                results = [n for n, rhs in entry.items() if f"get-tuple-element(%{call})" in rhs]
+                assert len(results) == 2
+            for result in results:
+                readers = [
+                    n for n, rhs in entry.items() if re.search(rf"%{re.escape(result)}\b", rhs)
+                ]
+                held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
+                assert readers and held == (readers if db else [])
+                assert len(readers) == 1 or not db
+                if db:
+                    assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
+                    assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
 
 
 def test_double_buffered_step_starts_the_next_exchange_on_the_gradient(mesh):

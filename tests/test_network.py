@@ -206,6 +206,11 @@ def test_train_workload_reaches_the_target_accuracy(tmp_path):
     assert dense["time_to_acc_s"] == pytest.approx(dense["steps_to_acc"] * dense["step_s"])
     assert "acc_last" not in rows["compute"] and "time_to_acc_s" not in rows["compute"]
     assert "time to acc s" in done.stdout
+    # What the compiled pmean sends: every param's float32 bytes, 2(N-1)/N of
+    # them on a ring of N = 2 hosts, in at least one all-reduce.
+    assert dense["bytes_sent"] == pytest.approx(4 * dense["params"])
+    assert dense["collectives"] >= 1 and dense["collective_latency_s"] > 0
+    assert "where the step goes" in done.stdout
 
 
 @pytest.mark.slow
@@ -493,3 +498,13 @@ def test_time_to_quality_projects_dense_and_sets_variants_against_plain_diloco()
     assert table["dense, 20 steps"]["time_to_target_s"] is None
     text = ttq.format_table(ttq.summarize(rows + projected), rows + projected)
     assert "PROJECTED" in text and "280.0p" in text and "60*" in text
+    # With a compute-only run, each time to target against the physical
+    # limit: dense's 40 steps to 2.0 at local's 0.25 s a step.
+    local = run("local", slow, 80, {0: 5.0, 80: 5.0}, 0.25)
+    table = {s["config"]: s for s in ttq.summarize(rows + projected + local)}
+    assert table["diloco_h10, 80 steps"]["limit_s"] == pytest.approx(10.0)
+    assert table["diloco_h10, 80 steps"]["of_limit"] == pytest.approx(10.0 / 40.0)
+    assert table["dense (projected)"]["of_limit"] == pytest.approx(10.0 / 280.0)
+    assert table["dense, 20 steps"]["of_limit"] is None  # never reached it
+    text = ttq.format_table(ttq.summarize(rows + projected + local), rows + projected + local)
+    assert "of limit" in text and "25%p" in text

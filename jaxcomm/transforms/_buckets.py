@@ -156,19 +156,21 @@ def finish_in_buckets(
     buckets = leaf_buckets(sent, bucket_bytes)
     out = list(sent)
     for bucket in buckets:
-        parts = _finish(handles[bucket[0]], [sent[i] for i in bucket], bound)
+        parts = _finish(handles[bucket[0]], [sent[i] for i in bucket], bound, after)
         for i, red in zip(bucket, parts, strict=True):
-            if after:
-                red = bound.after(red, after)
             out[i] = bound.sum_from_mean(red) if scale_back else red
     return out, buckets_payload(sent, buckets, bound), len(buckets)
 
 
-def _finish(handle, parts, bound):
+def _finish(handle, parts, bound, after):
     """One bucket's reduced parts: the started exchange's result, else
     `parts` reduced here, in one collective as the step would."""
     like = jax.ShapeDtypeStruct((sum(int(np.size(p)) for p in parts),), parts[0].dtype)
     result, found = bound.allreduce_done(handle, like, missing_ok=True)
+    if after:
+        # Read (by the cond) before the backward pass, the result's and the
+        # flag's memory would be lent to it, and it would wait for the exchange.
+        result, found = bound.after(result, after), bound.after(found, after)
     # Each part typed as the in-step collective's result (reduced over the
     # axes, still varying over those its gradient varies over beside them:
     # a bucket may hold a model's shards beside its replicated leaves) and

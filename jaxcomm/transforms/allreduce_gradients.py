@@ -84,9 +84,11 @@ def allreduce_gradients(
         one per dtype. ``None``: 0 on xla, ``DEFAULT_BUCKET_BYTES`` (4 MiB) on ffi.
       algorithm, backend: as in :func:`jaxcomm.allreduce`.
       double_buffering: step t returns the reduced gradient of step t-1 (zeros at
-        step 0), so the collective can run under the step's forward and backward
-        passes (ffi on CPU, GPU). The stale step costs quality (docs/double_buffering.md):
-        :func:`jaxcomm.double_buffered` overlaps the same exchange without it.
+        step 0). On CPU (where ``"auto"`` picks ffi) step t-1 starts that exchange
+        as it ends and step t finishes it, so it travels between the steps; else it
+        runs under step t's forward and backward passes (GPU). The stale step costs
+        quality (docs/double_buffering.md): :func:`jaxcomm.double_buffered` overlaps
+        the same exchange without it.
       check_finite: set ``stats.nonfinite`` if the reduced gradient holds an inf or
         NaN, at the cost of one more read of it; ``False`` always reports False.
 
