@@ -118,6 +118,36 @@ WORKER = """
 
     out["diloco_started"], out["diloco_in_flight"] = diloco("auto")
     out["diloco_xla"], _ = diloco("xla")
+    # Double buffering: "auto" starts each step's exchange over TCP as the
+    # step ends and the next step finishes it; "xla" reduces the buffer in
+    # the next step (gloo). `forget` makes step 2's handles another job's.
+    def double_buffered(backend, forget=None):
+        tx = optax.chain(
+            jaxcomm.allreduce_gradients("d", double_buffering=True, backend=backend),
+            optax.sgd(0.1))
+        p = {"w": np.ones((5,), np.float32), "b": np.zeros((), np.float32)}
+        with jax.set_mesh(mesh):
+            state = tx.init(p)
+        specs = jaxcomm.state_specs(state, "d")
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(p)
+        def step(p, state, xb, yb):
+            loss = lambda q: jnp.mean((xb @ q["w"] + q["b"] - yb) ** 2)  # noqa: E731
+            updates, state = tx.update(jaxcomm.local_grad(loss, "d")(p), state, p)
+            return optax.apply_updates(p, updates), state
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("d"), P("d")),
+                                  out_specs=(P(), specs)))
+        xs, ys, in_flight, before = sharded(x_all), sharded(y_all), [], _ffi.in_flight()
+        for t in range(4):
+            if t == forget:
+                handles = [np.asarray(h) + np.array([1, 0, 0], np.int32)
+                           for h in state[0].handles]
+                state = (state[0]._replace(handles=handles), *state[1:])
+            p, state = jax.block_until_ready(f(p, state, xs, ys))
+            in_flight.append(_ffi.in_flight() - before)
+        return np.concatenate([np.asarray(p["w"]), np.asarray(p["b"])[None]]), in_flight
+    out["db_started"], out["db_in_flight"] = double_buffered("auto")
+    out["db_forgotten"], _ = double_buffered("auto", forget=2)
+    out["db_xla"], _ = double_buffered("xla")
     np.savez(f"{sys.argv[1]}-{jax.process_index()}.npz", ints=ints, reals=reals, mask=mask,
              **out)
     print("done", flush=True)
@@ -243,6 +273,19 @@ def test_a_delayed_diloco_sync_overlaps_steps_across_processes(results):
         assert list(out["diloco_in_flight"]) == [0, 0, 0, 2, 2, 0, 0, 2]
         np.testing.assert_allclose(out["diloco_started"], out["diloco_xla"], rtol=0, atol=1e-6)
         assert not np.allclose(out["diloco_started"], [1, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.slow
+def test_double_buffering_sends_each_steps_exchange_during_the_next_across_processes(results):
+    """Each step starts its buffer's exchange over TCP (one per local device
+    and bucket, in flight after it) and the next finishes it: the params of
+    the exchange run in the next step (gloo); bitwise those of a run whose
+    state lost its handles at step 2 and reduced what it kept."""
+    for out in results:
+        assert list(out["db_in_flight"]) == [2, 2, 2, 2]
+        np.testing.assert_allclose(out["db_started"], out["db_xla"], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(out["db_forgotten"], out["db_started"])
+        assert not np.allclose(out["db_started"], [1, 1, 1, 1, 1, 0])
 
 
 @pytest.mark.slow
