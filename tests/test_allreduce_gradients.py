@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 
@@ -233,6 +234,77 @@ def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
 
 
 @pytest.mark.parametrize(
+    "backend,collective",
+    [("ffi", 'custom_call_target="jaxcomm_allreduce'), ("xla", "all-reduce(")],
+)
+def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backend, collective):
+    """In the compiled step, the collective's operands come from the state
+    alone: nothing the step's backward pass produces, so XLA may run it
+    under the forward and backward passes. Without double buffering it
+    reads the gradient."""
+    reads = {}
+    for db in (False, True):
+        tx = jaxcomm.allreduce_gradients(
+            "data",
+            backend=backend,
+            wire_dtype=jnp.float16,
+            error_feedback=True,
+            double_buffering=db,
+        )
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if collective in rhs]
+        reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
+    assert reads == {False: {False, True}, True: {False}}
+
+
+def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
+    """ffi on CPU: the collective's only reader is a jaxcomm_after call that
+    also takes the step's gradient, so everything that reads the reduced
+    gradient comes after the backward pass (and XLA cannot lend the result's
+    memory to it, which would make the backward pass wait for the
+    collective). Without double buffering there is nothing to hold."""
+    for db in (False, True):
+        tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
+        entry, first_grad = _compiled_step(tx, mesh)
+        calls = [n for n, rhs in entry.items() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+        assert len(calls) == len(SHAPES)
+        for call in calls:
+            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(call)}\b", rhs)]
+            held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
+            assert held == (readers[:1] if db else []) and len(readers) >= 1
+            if db:
+                assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
+                assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
+
+
+def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
+    """One leaf per bucket: each call's operand is the state's buffer itself
+    (a parameter, seen through a bitcast), not a copy. A copy is work the
+    call must wait for; reducing in place (the result taking the operand's
+    buffer) would need one, since the step does not own its parameters."""
+    tx = jaxcomm.allreduce_gradients(
+        "data", backend="ffi", algorithm="direct", bucket_bytes=0, double_buffering=True
+    )
+    entry, _ = _compiled_step(tx, mesh)
+    calls = [rhs for rhs in entry.values() if 'custom_call_target="jaxcomm_allreduce"' in rhs]
+    assert len(calls) == len(SHAPES)
+    for call in calls:
+        operand = re.search(r"custom-call\(%([\w.\-]+)", call).group(1)
+        while "bitcast(" in entry[operand]:
+            operand = re.search(r"bitcast\(%([\w.\-]+)", entry[operand]).group(1)
+        assert "parameter(" in entry[operand], entry[operand]
+        assert "output_to_operand_aliasing" not in call
+
+
+@pytest.fixture
+def started_in_one_process(monkeypatch):
+    """Double buffering starts its exchange across steps only across
+    processes; these tests run that path between the devices of this one."""
+    module = importlib.import_module("jaxcomm.transforms.allreduce_gradients")
+    monkeypatch.setattr(module, "START_IN_ONE_PROCESS", True)
+
+
+@pytest.mark.parametrize(
     "backend,in_step,double_buffered",
     [
         (
@@ -243,8 +315,8 @@ def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
         ("xla", "all-reduce(", "all-reduce("),
     ],
 )
-def test_double_buffered_collective_does_not_read_the_steps_gradient(
-    mesh, backend, in_step, double_buffered
+def test_started_collective_does_not_read_the_steps_gradient(
+    mesh, backend, in_step, double_buffered, started_in_one_process
 ):
     """In the compiled step, the collective's operands come from the state
     alone: nothing the step's backward pass produces, so XLA may run it
@@ -267,8 +339,8 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(
     assert reads == {False: {False, True}, True: {False}}
 
 
-def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
-    """ffi on CPU: what a collective returns (the result; with double
+def test_started_result_is_read_after_the_gradient_exists(mesh, started_in_one_process):
+    """ffi on CPU, started: what a collective returns (the result; with double
     buffering also whether the exchange was found) has one reader each, a
     jaxcomm_after call that also takes the step's gradient, so everything
     that reads the reduced gradient comes after the backward pass (and XLA
@@ -302,7 +374,7 @@ def test_double_buffered_result_is_read_after_the_gradient_exists(mesh):
                     assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
 
 
-def test_double_buffered_step_starts_the_next_exchange_on_the_gradient(mesh):
+def test_started_step_starts_the_next_exchange_on_the_gradient(mesh, started_in_one_process):
     """ffi on CPU, one leaf per bucket: the step starts the next step's
     exchange on the step's gradient itself (a parameter, seen through a
     bitcast; the handler copies it), and no collective runs in the step
@@ -691,7 +763,7 @@ def _started_run(tx, grads, mesh, *, forget_at=None):
 
 
 @pytest.mark.parametrize("wire,bucket_bytes", [(None, math.inf), (jnp.bfloat16, 0)])
-def test_double_buffered_exchange_travels_between_steps(mesh, wire, bucket_bytes):
+def test_started_exchange_travels_between_steps(mesh, wire, bucket_bytes, started_in_one_process):
     """ffi on CPU: each step leaves its buffer's exchange in flight (one per
     bucket and device) for the next step to finish, and the result is the
     in-step delayed computation's, bitwise: dense's of the step before. A

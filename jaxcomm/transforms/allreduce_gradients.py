@@ -20,6 +20,9 @@ from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import finish_in_buckets, reduce_in_buckets, start_in_buckets
 
+# Tests set this to run the started exchange between the devices of one process.
+START_IN_ONE_PROCESS = False
+
 
 class AllReduceGradientsState(NamedTuple):
     """State of :func:`allreduce_gradients`.
@@ -34,8 +37,8 @@ class AllReduceGradientsState(NamedTuple):
         reduces), or ``()``.
       stats: :class:`jaxcomm.CommStats` of the last step.
       handles: where the double buffer's exchange is started at the end of a
-        step and finished in the next (jaxcomm's CPU transport), one int32[3]
-        handle per leaf, its bucket's; else ``()``.
+        step and finished in the next (jaxcomm's CPU transport, across
+        processes), one int32[3] handle per leaf, its bucket's; else ``()``.
     """
 
     residual: Any
@@ -84,11 +87,11 @@ def allreduce_gradients(
         one per dtype. ``None``: 0 on xla, ``DEFAULT_BUCKET_BYTES`` (4 MiB) on ffi.
       algorithm, backend: as in :func:`jaxcomm.allreduce`.
       double_buffering: step t returns the reduced gradient of step t-1 (zeros at
-        step 0). On CPU (where ``"auto"`` picks ffi) step t-1 starts that exchange
-        as it ends and step t finishes it, so it travels between the steps; else it
-        runs under step t's forward and backward passes (GPU). The stale step costs
-        quality (docs/double_buffering.md): :func:`jaxcomm.double_buffered` overlaps
-        the same exchange without it.
+        step 0). On CPU across processes (where ``"auto"`` picks ffi) step t-1
+        starts that exchange as it ends and step t finishes it, so it travels
+        between the steps; else it runs under step t's forward and backward passes.
+        The stale step costs quality (docs/double_buffering.md):
+        :func:`jaxcomm.double_buffered` overlaps the same exchange without it.
       check_finite: set ``stats.nonfinite`` if the reduced gradient holds an inf or
         NaN, at the cost of one more read of it; ``False`` always reports False.
 
@@ -133,8 +136,15 @@ def allreduce_gradients(
     comm = comm.with_op(comm.wire.collective_op(op))
 
     def started() -> bool:
-        # Decided the same way by init and update: the platform's, not the axes'.
-        return double_buffering and comm.starts_async
+        # Decided the same way by init and update: the platform's and the
+        # job's, not the axes'. In one process the exchange is a copy in
+        # memory: started, it would only add copies (into the handler, out of
+        # it), so there it runs in the step.
+        return (
+            double_buffering
+            and comm.starts_async
+            and (jax.process_count() > 1 or START_IN_ONE_PROCESS)
+        )
 
     def init(params):
         return AllReduceGradientsState(
