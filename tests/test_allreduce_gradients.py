@@ -234,16 +234,26 @@ def _reads_gradient(entry, first_grad: int, name: str) -> set[bool]:
 
 
 @pytest.mark.parametrize(
-    "backend,collective",
-    [("ffi", 'custom_call_target="jaxcomm_allreduce'), ("xla", "all-reduce(")],
+    "backend,started,in_step,double_buffered",
+    [
+        ("ffi", False, 'custom_call_target="jaxcomm_allreduce', "same"),  # or _parts
+        ("ffi", True, 'custom_call_target="jaxcomm_allreduce', '"jaxcomm_allreduce_done"'),
+        ("xla", False, "all-reduce(", "same"),
+    ],
 )
-def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backend, collective):
+def test_double_buffered_collective_does_not_read_the_steps_gradient(
+    mesh, monkeypatch, backend, started, in_step, double_buffered
+):
     """In the compiled step, the collective's operands come from the state
     alone: nothing the step's backward pass produces, so XLA may run it
     under the forward and backward passes. Without double buffering it
-    reads the gradient."""
+    reads the gradient. Started (ffi on CPU across processes, here forced
+    in one), the collective ran from the previous step's end: this step
+    only waits for it, on the handle."""
+    monkeypatch.setattr(_module(), "START_IN_ONE_PROCESS", started)
+    double_buffered = in_step if double_buffered == "same" else double_buffered
     reads = {}
-    for db in (False, True):
+    for db, collective in ((False, in_step), (True, double_buffered)):
         tx = jaxcomm.allreduce_gradients(
             "data",
             backend=backend,
@@ -253,6 +263,7 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(mesh, backe
         )
         entry, first_grad = _compiled_step(tx, mesh)
         calls = [n for n, rhs in entry.items() if collective in rhs]
+        assert calls
         reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
     assert reads == {False: {False, True}, True: {False}}
 
@@ -300,43 +311,11 @@ def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
 def started_in_one_process(monkeypatch):
     """Double buffering starts its exchange across steps only across
     processes; these tests run that path between the devices of this one."""
-    module = importlib.import_module("jaxcomm.transforms.allreduce_gradients")
-    monkeypatch.setattr(module, "START_IN_ONE_PROCESS", True)
+    monkeypatch.setattr(_module(), "START_IN_ONE_PROCESS", True)
 
 
-@pytest.mark.parametrize(
-    "backend,in_step,double_buffered",
-    [
-        (
-            "ffi",
-            'custom_call_target="jaxcomm_allreduce',  # or _parts
-            'custom_call_target="jaxcomm_allreduce_done"',
-        ),
-        ("xla", "all-reduce(", "all-reduce("),
-    ],
-)
-def test_started_collective_does_not_read_the_steps_gradient(
-    mesh, backend, in_step, double_buffered, started_in_one_process
-):
-    """In the compiled step, the collective's operands come from the state
-    alone: nothing the step's backward pass produces, so XLA may run it
-    under the forward and backward passes. Without double buffering it
-    reads the gradient. On CPU's ffi the collective was started by the
-    previous step: this step only waits for it, on the handle."""
-    reads = {}
-    for db, collective in ((False, in_step), (True, double_buffered)):
-        tx = jaxcomm.allreduce_gradients(
-            "data",
-            backend=backend,
-            wire_dtype=jnp.float16,
-            error_feedback=True,
-            double_buffering=db,
-        )
-        entry, first_grad = _compiled_step(tx, mesh)
-        calls = [n for n, rhs in entry.items() if collective in rhs]
-        assert calls
-        reads[db] = set().union(*(_reads_gradient(entry, first_grad, c) for c in calls))
-    assert reads == {False: {False, True}, True: {False}}
+def _module():
+    return importlib.import_module("jaxcomm.transforms.allreduce_gradients")
 
 
 def test_started_result_is_read_after_the_gradient_exists(mesh, started_in_one_process):
