@@ -101,7 +101,6 @@ def worker(args) -> int:
     from testbed_worker import data_mesh, emit, join, load_example, placer, progress
 
     import jaxcomm
-    from jaxcomm import _ffi
 
     join()
     config = args.worker
@@ -156,13 +155,7 @@ def worker(args) -> int:
             steps.append((began, time.monotonic()))
         elif t == 0:
             progress(f"{config}: compiled")
-    first = steps[0][0]
-    me = jax.local_devices()[0].id
-    timeline = [
-        dict(zip(("started", "reduced", "landed", "returned"), e[4:], strict=True))
-        for e in _ffi.async_timeline()
-        if e[0] == me and e[4] >= first
-    ]
+    exchanges = timeline.exchanges_since(steps[0][0])
     times = [b - a for a, b in steps]
     emit(
         {
@@ -175,7 +168,7 @@ def worker(args) -> int:
             "median_step_s": statistics.median(times),
             "max_step_s": max(times),
             "step_times": steps,
-            "exchanges": timeline,
+            "exchanges": exchanges,
         }
     )
     return 0

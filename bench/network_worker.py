@@ -47,6 +47,7 @@ import re
 import statistics
 import time
 
+import timeline
 from testbed_worker import describe_error, emit, join, load_example, progress
 
 MIB = 1 << 20
@@ -679,7 +680,7 @@ def run_train(args):
                 row.update(traffic(run, (params, opt_state, *batches[0]), tx, opt_state))
                 row["collective_latency_s"] = latency(mesh, axes, config)
             row["loss_first"], row["loss_last"] = losses[0], losses[-1]
-            exchanges = started_exchanges(spans[0][0])
+            exchanges = timeline.exchanges_since(spans[0][0])
             if exchanges:  # exchanges that outlive a step: when each travelled
                 row["step_times"], row["exchanges"] = spans, exchanges
             if args.params_out:
@@ -691,24 +692,6 @@ def run_train(args):
             progress(f"train {config}: {row['error']}")
         emit(row, out)
     return out
-
-
-def started_exchanges(since: float) -> list[dict]:
-    """This process's first device's started exchanges (allreduces that one
-    step starts and a later one finishes) since ``since``: when each was
-    started, done on the network, waited for and returned
-    (``jaxcomm._ffi.async_timeline``, time.monotonic's clock)."""
-    import jax
-
-    from jaxcomm import _ffi
-
-    me = jax.local_devices()[0].id
-    keys = ("started", "reduced", "landed", "returned")
-    return [
-        dict(zip(keys, e[4:], strict=True))
-        for e in _ffi.async_timeline()
-        if e[0] == me and e[4] >= since
-    ]
 
 
 def traffic(run, args, tx, opt_state) -> dict:

@@ -13,6 +13,23 @@ from __future__ import annotations
 import statistics
 
 
+def exchanges_since(since: float) -> list[dict]:
+    """This process's first device's started exchanges since ``since``
+    (time.monotonic's clock): when each was started, done on the network,
+    waited for and returned."""
+    import jax
+
+    from jaxcomm import _ffi
+
+    me = jax.local_devices()[0].id
+    keys = ("started", "reduced", "landed", "returned")
+    return [
+        dict(zip(keys, e[4:], strict=True))
+        for e in _ffi.async_timeline()
+        if e[0] == me and e[4] >= since
+    ]
+
+
 def on_network(run: dict) -> list[float]:
     """Seconds each exchange was on the network (reduced - started)."""
     return [e["reduced"] - e["started"] for e in run.get("exchanges", [])]
@@ -51,7 +68,7 @@ def describe(name: str, run: dict) -> str:
 def plot(runs: dict, path: str, title: str, *, xlabel: str = "bars: steps"):
     """Per run (name -> run with ``step_times`` and ``exchanges``), host 0's
     steps as bars and each exchange as a span from its start to its end on
-    the network, marked where a step waited for it."""
+    the network, marked where a later step asked for it."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -319,38 +319,24 @@ def _module():
 
 
 def test_started_result_is_read_after_the_gradient_exists(mesh, started_in_one_process):
-    """ffi on CPU, started: what a collective returns (the result; with double
-    buffering also whether the exchange was found) has one reader each, a
-    jaxcomm_after call that also takes the step's gradient, so everything
-    that reads the reduced gradient comes after the backward pass (and XLA
-    cannot lend the result's memory to it, which would make the backward
-    pass wait for the exchange). Without double buffering there is nothing
-    to hold."""
-    for db in (False, True):
-        tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=db)
-        entry, first_grad = _compiled_step(tx, mesh)
-        target = (
-            'custom_call_target="jaxcomm_allreduce_done"'
-            if db
-            else ('custom_call_target="jaxcomm_allreduce"')
-        )
-        calls = [n for n, rhs in entry.items() if target in rhs]
-        assert len(calls) == len(SHAPES)
-        for call in calls:
-            results = [call]
-            if db:  # (result, found): read through get-tuple-element
-                results = [n for n, rhs in entry.items() if f"get-tuple-element(%{call})" in rhs]
-                assert len(results) == 2
-            for result in results:
-                readers = [
-                    n for n, rhs in entry.items() if re.search(rf"%{re.escape(result)}\b", rhs)
-                ]
-                held = [n for n in readers if 'custom_call_target="jaxcomm_after"' in entry[n]]
-                assert readers and held == (readers if db else [])
-                assert len(readers) == 1 or not db
-                if db:
-                    assert _reads_gradient(entry, first_grad, held[0]) == {False, True}
-                    assert "output_to_operand_aliasing" in entry[held[0]]  # no copy
+    """ffi on CPU, started: what the done call returns (the result, and
+    whether the exchange was found) has one reader each, a jaxcomm_after
+    call that also takes the step's gradient, so everything that reads the
+    reduced gradient comes after the backward pass (and XLA cannot lend
+    their memory to it, which would make the backward pass wait for the
+    exchange)."""
+    tx = jaxcomm.allreduce_gradients("data", backend="ffi", bucket_bytes=0, double_buffering=True)
+    entry, first_grad = _compiled_step(tx, mesh)
+    calls = [n for n, rhs in entry.items() if 'custom_call_target="jaxcomm_allreduce_done"' in rhs]
+    assert len(calls) == len(SHAPES)
+    for call in calls:
+        results = [n for n, rhs in entry.items() if f"get-tuple-element(%{call})" in rhs]
+        assert len(results) == 2  # (result, found)
+        for result in results:
+            readers = [n for n, rhs in entry.items() if re.search(rf"%{re.escape(result)}\b", rhs)]
+            assert len(readers) == 1 and 'custom_call_target="jaxcomm_after"' in entry[readers[0]]
+            assert _reads_gradient(entry, first_grad, readers[0]) == {False, True}
+            assert "output_to_operand_aliasing" in entry[readers[0]]  # no copy
 
 
 def test_started_step_starts_the_next_exchange_on_the_gradient(mesh, started_in_one_process):
