@@ -10,6 +10,7 @@ keeps the GPU, and there the CPU tests skip. A JAX_PLATFORMS set by the caller
 is left alone.
 """
 
+import importlib
 import os
 import pathlib
 
@@ -64,3 +65,13 @@ def _enough_devices():
             "needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (on a "
             'GPU machine, run the CPU tests apart from the GPU ones: -m "not gpu and not slow")'
         )
+
+
+@pytest.fixture
+def started_in_one_process(monkeypatch):
+    """Double buffering starts its exchange across steps only across
+    processes (Reduction.starts_between_steps); tests that use this run that
+    path between the devices of this one."""
+    # The module: jaxcomm.collectives.reduction is also the function's name.
+    module = importlib.import_module("jaxcomm.collectives.reduction")
+    monkeypatch.setattr(module, "START_IN_ONE_PROCESS", True)

@@ -250,7 +250,9 @@ def test_double_buffered_collective_does_not_read_the_steps_gradient(
     reads the gradient. Started (ffi on CPU across processes, here forced
     in one), the collective ran from the previous step's end: this step
     only waits for it, on the handle."""
-    monkeypatch.setattr(_module(), "START_IN_ONE_PROCESS", started)
+    monkeypatch.setattr(
+        importlib.import_module("jaxcomm.collectives.reduction"), "START_IN_ONE_PROCESS", started
+    )
     double_buffered = in_step if double_buffered == "same" else double_buffered
     reads = {}
     for db, collective in ((False, in_step), (True, double_buffered)):
@@ -305,17 +307,6 @@ def test_double_buffered_ffi_call_takes_the_buffer_as_it_is(mesh):
             operand = re.search(r"bitcast\(%([\w.\-]+)", entry[operand]).group(1)
         assert "parameter(" in entry[operand], entry[operand]
         assert "output_to_operand_aliasing" not in call
-
-
-@pytest.fixture
-def started_in_one_process(monkeypatch):
-    """Double buffering starts its exchange across steps only across
-    processes; these tests run that path between the devices of this one."""
-    monkeypatch.setattr(_module(), "START_IN_ONE_PROCESS", True)
-
-
-def _module():
-    return importlib.import_module("jaxcomm.transforms.allreduce_gradients")
 
 
 def test_started_result_is_read_after_the_gradient_exists(mesh, started_in_one_process):

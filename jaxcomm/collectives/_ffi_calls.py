@@ -118,14 +118,28 @@ def allreduce_parts(
 
 
 def allreduce_start(
-    x, coords, peers: dict, place: AxisPlacement, *, algorithm, wire, prescale, postscale, nonce
+    x,
+    coords,
+    peers: dict,
+    place: AxisPlacement,
+    *,
+    algorithm,
+    wire,
+    prescale,
+    postscale,
+    nonce,
+    chunk_mask=None,
+    chunk_size: int = 1,
 ):
     """Starts the allreduce of flat `x` and returns at once: int32[3], the
     handle that :func:`allreduce_done` takes in a later execution, [`nonce`,
     op id, sequence]. The handle is the same on every device
     (xla_ffi/cpu/allreduce_async.cc), so it is typed replicated over every
-    axis, even those x varies over beside `place`'s."""
+    axis, even those x varies over beside `place`'s. With `chunk_mask` only
+    the selected chunks travel, and the done call's result is zero on the
+    others (as :func:`allreduce`'s with ``zero_unselected``)."""
     _extension.require("cpu")
+    mask = jnp.zeros((0,), jnp.bool_) if chunk_mask is None else chunk_mask
     every = varying_axes(x)
     call = jax.ffi.ffi_call(
         "jaxcomm_allreduce_start",
@@ -135,8 +149,10 @@ def allreduce_start(
     return call(
         x,
         coords,
+        mask,
         **_reduction_attributes(x, place, peers, algorithm, wire, prescale, postscale),
         nonce=np.int32(nonce),
+        chunk_size=np.int64(chunk_size),
     )
 
 

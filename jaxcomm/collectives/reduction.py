@@ -32,6 +32,10 @@ from jaxcomm.collectives.chunk_layout import DEFAULT_CHUNK_SIZE, ChunkLayout, ch
 from jaxcomm.collectives.varying import varying_axes
 from jaxcomm.collectives.wire import Wire
 
+# Tests set this to start exchanges across steps between the devices of one
+# process too (Reduction.starts_between_steps).
+START_IN_ONE_PROCESS = False
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_CHUNK_SIZE",
@@ -125,6 +129,16 @@ class Reduction:
         """Whether an allreduce can be started in one step and finished in a
         later one here: jaxcomm's CPU transport and a wire it reduces itself."""
         return self.resolved_backend.starts_async and self.wire.can_start
+
+    @property
+    def starts_between_steps(self) -> bool:
+        """Whether a double-buffered transform starts its exchange at the end
+        of one step and finishes it in the next: where :attr:`starts_async`,
+        across processes. Between the devices of one process the exchange is
+        a copy in memory, and starting it would only add copies (into the
+        handler, out of it): there it runs in the step. Decided by the
+        platform and the job, not the axes, so init and update agree."""
+        return self.starts_async and (jax.process_count() > 1 or START_IN_ONE_PROCESS)
 
     def bind(self) -> BoundReduction:
         """Resolves the backend and the schedule for the axes bound here.
@@ -300,12 +314,15 @@ class BoundReduction(NamedTuple):
         """Whether :meth:`allreduce_start` can run here (Reduction.starts_async)."""
         return self.reduction.starts_async
 
-    def allreduce_start(self, flat):
+    def allreduce_start(self, flat, *, chunk_mask=None):
         """Starts the reduction of 1-D `flat` (this reduction's op and wire)
         and returns at once a handle, an int32 array for
         :meth:`allreduce_done` in this or a later execution of the program.
         The exchange runs on jaxcomm's threads meanwhile. Each handle is
-        finished exactly once, in the process that started it."""
+        finished exactly once, in the process that started it. With
+        `chunk_mask` (one flag per chunk of :meth:`layout`) only the selected
+        chunks travel, and the result is zero on the others, as
+        :meth:`exchange`'s."""
         if not self.starts_async:
             raise ValueError(
                 "an allreduce started in one step and finished in another needs "
@@ -313,7 +330,7 @@ class BoundReduction(NamedTuple):
                 f"bfloat16); this one runs on backend={self.backend.name!r} with "
                 f"wire_dtype={self.reduction.wire.name}"
             )
-        return self.backend.allreduce_start(self, flat)
+        return self.backend.allreduce_start(self, flat, chunk_mask=chunk_mask)
 
     def allreduce_done(self, handle, like, *, missing_ok: bool = False):
         """(result, found): the result of :meth:`allreduce_start`'s reduction,
@@ -346,25 +363,34 @@ class BoundReduction(NamedTuple):
         cannot send exactly the selected chunks packs that many (a static
         bound) and reduces all chunks when more are selected.
         """
-        layout = self.layout(x.size)
-        nchunks, chunk_size = layout.nchunks, layout.chunk_size
-        itemsize = self.scales(x.dtype)[0].itemsize
-        if self.backend.sends_only_selected:
-            payload = layout.selected_elements(mask) * itemsize
+        payload = self.exchange_payload(x, mask, max_chunks=max_chunks)
+        nchunks = self.layout(x.size).nchunks
+        if self.backend.sends_only_selected or max_chunks == nchunks:
             return self.allreduce(x, chunk_mask=mask, unselected="zero"), payload
-        every = self.payload_bytes(nchunks * chunk_size, x.dtype)  # a scaled wire's scales too
-        if max_chunks == nchunks:
-            return self.allreduce(x, chunk_mask=mask, unselected="zero"), jnp.float32(every)
-        many = jnp.sum(mask) > max_chunks
         reduced = jax.lax.cond(
-            many,
+            jnp.sum(mask) > max_chunks,
             lambda v: self.allreduce(v, chunk_mask=mask, unselected="zero"),
             lambda v: self.allreduce(v, chunk_mask=mask, max_chunks=max_chunks, unselected="zero"),
             x,
         )
+        return reduced, payload
+
+    def exchange_payload(self, x, mask, *, max_chunks: int):
+        """float32: the bytes this device sends in :meth:`exchange` of `x`
+        (or its ShapeDtypeStruct) on `mask`; a started exchange
+        (:meth:`allreduce_start` with the mask) sends the selected chunks."""
+        layout = self.layout(np.size(x))
+        nchunks, chunk_size = layout.nchunks, layout.chunk_size
+        dtype = jnp.result_type(x)
+        if self.backend.sends_only_selected:
+            itemsize = self.scales(dtype)[0].itemsize
+            return (layout.selected_elements(mask) * itemsize).astype(jnp.float32)
         # Bytes in float32: an int32 count overflows at 2 GiB of payload.
-        bounded = self.payload_bytes(max_chunks * chunk_size, x.dtype)
-        return reduced, jnp.where(many, jnp.float32(every), jnp.float32(bounded))
+        every = jnp.float32(self.payload_bytes(nchunks * chunk_size, dtype))  # FP8 scales too
+        if max_chunks == nchunks:
+            return every
+        bounded = jnp.float32(self.payload_bytes(max_chunks * chunk_size, dtype))
+        return jnp.where(jnp.sum(mask) > max_chunks, every, bounded)
 
     def chunk_l1(self, local, exchanged, mask):
         """float32[chunks]: each chunk's L1 norm, of `exchanged` (the

@@ -20,9 +20,6 @@ from jaxcomm.state import comm_stats, per_device
 from jaxcomm.transforms import _in_shards
 from jaxcomm.transforms._buckets import finish_in_buckets, reduce_in_buckets, start_in_buckets
 
-# Tests set this to run the started exchange between the devices of one process.
-START_IN_ONE_PROCESS = False
-
 
 class AllReduceGradientsState(NamedTuple):
     """State of :func:`allreduce_gradients`.
@@ -136,15 +133,7 @@ def allreduce_gradients(
     comm = comm.with_op(comm.wire.collective_op(op))
 
     def started() -> bool:
-        # Decided the same way by init and update: the platform's and the
-        # job's, not the axes'. In one process the exchange is a copy in
-        # memory: started, it would only add copies (into the handler, out of
-        # it), so there it runs in the step.
-        return (
-            double_buffering
-            and comm.starts_async
-            and (jax.process_count() > 1 or START_IN_ONE_PROCESS)
-        )
+        return double_buffering and comm.starts_between_steps
 
     def init(params):
         return AllReduceGradientsState(

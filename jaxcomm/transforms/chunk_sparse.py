@@ -8,6 +8,8 @@ buffer and allreduced; the rest stay in a per-device residual, decayed by
 important chunks only; its parameter-shaped state is held on the others.
 The mask for the next step is the top ``density`` fraction of chunks by
 allreduced L1 norm; density ramps from 1 to its final value during warm-up.
+With double buffering the same runs one step late: a step's chunks leave as
+it ends and the next step applies them (docs/double_buffering.md).
 """
 
 from __future__ import annotations
@@ -34,9 +36,16 @@ class ChunkSparseState(NamedTuple):
     Attributes:
       inner: the wrapped optimizer's state (same on every device).
       residual: ``PerDevice`` flat pool of what this device has not sent.
-      mask: bool[chunks], the chunks exchanged at the next step.
-      count: int32, steps taken (skipped non-finite steps do not count).
-      stats: :class:`jaxcomm.CommStats` of the last step.
+      mask: bool[chunks], the chunks exchanged at the next step; with
+        ``double_buffering``, those of the exchange in flight (none before
+        the first step).
+      count: int32, exchanges applied (skipped non-finite ones do not count).
+      stats: :class:`jaxcomm.CommStats` of the last step's applied exchange.
+      sent: with ``double_buffering``, ``PerDevice`` flat pool that the
+        exchange in flight carries (its ``mask`` chunks), kept for a job that
+        restores this state without the exchange in flight; else ``()``.
+      handle: where that exchange was started as the step ended (jaxcomm's
+        CPU transport, across processes), its int32[3] handle; else ``()``.
     """
 
     inner: Any
@@ -44,6 +53,8 @@ class ChunkSparseState(NamedTuple):
     mask: jax.Array
     count: jax.Array
     stats: comm_stats.CommStats
+    sent: Any = ()
+    handle: Any = ()
 
 
 def chunk_sparse(
@@ -57,6 +68,7 @@ def chunk_sparse(
     wire_dtype=None,
     algorithm: str = "auto",
     backend: str = "auto",
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Exchanges only the most important chunks of the gradient, then runs ``inner``.
 
@@ -88,6 +100,13 @@ def chunk_sparse(
       wire_dtype: ``None``, a 16-bit float or (xla only) an 8-bit float, for the chunks.
       algorithm, backend: as in :func:`jaxcomm.allreduce`; ``backend="auto"`` is
         ffi where available (only the selected chunks travel).
+      double_buffering: run the above one step late: step t applies the chunks
+        of step t-1 (a zero update at step 0), so that their exchange can
+        travel while step t computes. On CPU across processes (backend ffi,
+        no wire or a 16-bit one) the exchange starts as step t-1 ends;
+        elsewhere it runs under step t's forward and backward passes. A
+        non-finite exchange is known a step late: that step is skipped and
+        this device's residual dropped (docs/double_buffering.md).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`ChunkSparseState`.
@@ -131,6 +150,7 @@ def chunk_sparse(
         backend=backend,
         masked=True,
         chunk_size=chunk_size,
+        started=double_buffering,
     )
     warmup_steps = _validate.check_count("warmup_steps", warmup_steps)
     residual_decay = _validate.check_fraction("residual_decay", residual_decay, zero=True)
@@ -150,20 +170,35 @@ def chunk_sparse(
         pool_leaves = [x for x, _ in pool]
         layout = exchange.layout(sum(_local_size(x, s, others) for x, s in pool))
         _warn_if_not_sparse(layout, density)
+        if double_buffering and others:
+            raise ValueError(
+                f"chunk_sparse(double_buffering=True) takes a model replicated over the mesh "
+                f"axes other than {exchange.axes}; these params are split over {others}. "
+                "Leave double_buffering off, or use jaxcomm.allreduce_gradients("
+                "double_buffering=True) for such a model"
+            )
         # Each shard's own pool and mask: rows over the other axes, if any.
         shards = (_shard_count(others),) if others else ()
+        pool_zeros = jax.ShapeDtypeStruct((*shards, layout.size), _pool_dtype(pool_leaves))
+        nchunks = max(layout.nchunks, 1)
+        if double_buffering:
+            # Nothing in flight yet: the first step finishes no exchange.
+            return ChunkSparseState(
+                inner=inner.init(params),
+                residual=per_device.per_device_zeros(pool_zeros, exchange),
+                mask=jnp.zeros((nchunks,), jnp.bool_),
+                count=jnp.int32(0),
+                stats=comm_stats.empty_stats(),
+                sent=per_device.per_device_zeros(pool_zeros, exchange, "sent pool"),
+                handle=jnp.zeros(3, jnp.int32) if exchange.starts_between_steps else (),
+            )
         return ChunkSparseState(
             inner=inner.init(params),
             residual=_per_shard(
-                per_device.per_device_zeros(
-                    jax.ShapeDtypeStruct((*shards, layout.size), _pool_dtype(pool_leaves)),
-                    exchange,
-                ),
-                exchange.axes,
-                others,
+                per_device.per_device_zeros(pool_zeros, exchange), exchange.axes, others
             ),
             # An empty gradient keeps a one-chunk mask, which it never sends.
-            mask=_placed(jnp.ones((*shards, max(layout.nchunks, 1)), jnp.bool_), others),
+            mask=_placed(jnp.ones((*shards, nchunks), jnp.bool_), others),
             count=jnp.int32(0),
             stats=comm_stats.empty_stats(),
         )
@@ -181,6 +216,8 @@ def chunk_sparse(
         if size == 0:  # nothing to exchange: no collective, only the inner step
             upd, inner_state = inner.update(updates, state.inner, params)
             return upd, state._replace(inner=inner_state, count=state.count + 1)
+        if double_buffering:
+            return _one_step_late(updates, state, params, bound, leaves)
         mask = state.mask.reshape(-1)  # this shard's, of a sharded model's
         old_residual = state.residual.value
 
@@ -251,6 +288,82 @@ def chunk_sparse(
             stats=stats,
         )
         return upd, new
+
+    def _one_step_late(updates, state, params, bound, leaves):
+        """The step above run one step late: this step applies the exchange
+        of the previous step's pool (on `state.mask`) and starts its own."""
+        started = exchange.starts_between_steps
+        layout = bound.layout(sum(int(np.size(x)) for x in leaves))
+        flying = state.mask
+        pending = jnp.any(flying)  # none before the first step
+        sent = per_device.local(state.sent).reshape(-1)
+        # Read after this step's backward pass: earlier, the result's memory
+        # would be lent to it, and it would wait for the exchange.
+        after = [bound.after(jnp.zeros((), jnp.int32), leaves)]
+        max_chunks = layout.selected(density)
+
+        def here(_, pool):
+            return bound.exchange(pool, flying, max_chunks=max_chunks)[0]
+
+        if started:
+            result, found = bound.allreduce_done(state.handle, sent, missing_ok=True)
+            result, found = bound.after(result, after), bound.after(found, after)
+            # Not in flight in this job (a restored state): reduced here, to the same bits.
+            exchanged = jax.lax.cond(found > 0, lambda r, _: r, here, result, sent)
+        else:
+            exchanged = bound.after(here(None, sent), after)
+        payload = bound.exchange_payload(sent, flying, max_chunks=max_chunks)
+
+        # The next mask, as the step above computes it from the same pool.
+        l1 = bound.chunk_l1(sent, exchanged, flying)
+        norms = norm_sum.bind().allreduce(jnp.where(flying, l1 / bound.size, l1))
+        nonfinite = pending & comm_stats.agreed_any(~jnp.all(jnp.isfinite(norms)))
+        applied = pending & ~nonfinite
+        chosen = _top_chunks(
+            norms, layout.selected(_density(state.count + 1, density, warmup_steps))
+        )
+        # A skipped exchange's chunks go again; the first step sends every chunk.
+        mask = jnp.where(applied, chosen, jnp.where(pending, flying, True))
+
+        treedef = jax.tree.structure(updates)
+        grads = jax.tree.unflatten(treedef, _from_pool(exchanged, leaves))
+        masks = jax.tree.unflatten(treedef, _from_pool(layout.elements(flying), leaves))
+        upd, inner_state = inner.update(grads, state.inner, params)
+        keep = jax.tree.map(lambda m: m & applied, masks)
+        upd = jax.tree.map(lambda u, m: jnp.where(m, u, jnp.zeros_like(u)), upd, keep)
+        inner_state = _hold_unselected(inner_state, state.inner, keep, ~applied)
+
+        # This step's pool leaves now. The residual that went into a skipped
+        # exchange's pool may hold its non-finite values: it is dropped.
+        old_residual = state.residual.value
+        residual = per_device.local(state.residual).reshape(-1)
+        parts = _pool_parts(leaves, _pool_dtype(leaves))
+        pool = bound.pool(parts, residual)
+        pool = jax.lax.cond(
+            nonfinite, lambda: bound.pool(parts, jnp.zeros_like(residual)), lambda: pool
+        )
+        handle = bound.allreduce_start(pool, chunk_mask=mask) if started else ()
+        residual = bound.chunk_residual(
+            pool, mask, decay=residual_decay, skip=jnp.bool_(False), old=old_residual
+        )
+
+        norm_payload = layout.nchunks * 4
+        stats = comm_stats.CommStats(
+            payload_bytes=payload + norm_payload,
+            bytes_sent=bound.bytes_sent(payload + norm_payload),
+            collectives=jnp.int32(2),
+            density=layout.density(flying),
+            nonfinite=nonfinite,
+        )
+        return upd, ChunkSparseState(
+            inner=inner_state,
+            residual=per_device.PerDevice(residual),
+            mask=mask,
+            count=state.count + applied.astype(jnp.int32),
+            stats=stats,
+            sent=per_device.PerDevice(pool.reshape(jnp.shape(state.sent.value))),
+            handle=handle,
+        )
 
     return optax.GradientTransformation(init, _in_shards.in_shards(update, exchange.axes))
 

@@ -69,9 +69,6 @@ ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec,
   return future;
 }
 
-namespace {
-
-// The first `slots` chunks a mask selects, as [begin, end) element ranges.
 std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n,
                                   size_t slots) {
   std::vector<Range> ranges;
@@ -81,7 +78,6 @@ std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk
   return ranges;
 }
 
-// Copies the selected chunks of `in` next to each other into `packed`.
 void Pack(const std::vector<Range>& chunks, const char* in, char* packed, size_t isz) {
   size_t at = 0;
   for (const Range& c : chunks) {
@@ -90,9 +86,8 @@ void Pack(const std::vector<Range>& chunks, const char* in, char* packed, size_t
   }
 }
 
-// out = in (or zeros, `zero`), with the selected chunks taken from `packed`.
-// `chunks` are in increasing order. Zeros are written only between the
-// chunks: a pass over the whole output first would touch it twice.
+// Zeros are written only between the chunks: a pass over the whole output
+// first would touch it twice.
 void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed, char* out,
             size_t n, size_t isz, bool zero) {
   if (!zero && out != in) std::memcpy(out, in, n * isz);
@@ -105,6 +100,8 @@ void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed
   }
   if (zero) std::memset(out + end * isz, 0, (n - end) * isz);
 }
+
+namespace {
 
 // The direct masked schedule: pack the selected chunks, reduce them
 // directly, unpack them once the last rank has reduced.

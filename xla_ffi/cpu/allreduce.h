@@ -33,4 +33,19 @@ xla::ffi::Future ArriveDirectFuture(const CallSite& site, const ReduceSpec& spec
                                     std::vector<void*> out,
                                     std::function<void()> on_success = nullptr);
 
+// A chunk mask's selected chunks (masked allreduces travel as these, packed):
+// the first `slots` chunks `mask` selects, as [begin, end) element ranges of
+// a pool of n elements, in increasing order.
+std::vector<Range> SelectedChunks(const bool* mask, size_t nchunks, size_t chunk_size, size_t n,
+                                  size_t slots);
+
+// Copies the selected chunks of `in` next to each other into `packed`
+// (elements of `isz` bytes).
+void Pack(const std::vector<Range>& chunks, const char* in, char* packed, size_t isz);
+
+// out = in (or zeros, `zero`: then `in` is not read), with the selected
+// chunks taken from `packed`.
+void Unpack(const std::vector<Range>& chunks, const char* in, const char* packed, char* out,
+            size_t n, size_t isz, bool zero);
+
 }  // namespace jaxcomm::cpu

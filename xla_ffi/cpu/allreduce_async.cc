@@ -8,7 +8,10 @@
 // sends its pseudo-gradient this way (docs/diloco.md, "Delay and mixing").
 // A handle this job never started (a restored state's) is an error, or, with
 // `missing_ok`, reported as not found: the caller then reduces the input it
-// kept itself.
+// kept itself. With a chunk mask only the selected chunks are copied and
+// travel, as in jaxcomm_allreduce's masked schedule (the same packed
+// reduction, so the same bits), and the done call writes zeros between
+// them: chunk_sparse's exchange, started at the end of a step.
 //
 // The handle is [nonce, op_id, sequence]. Every device starts a call site's
 // allreduces in the same order, so the handle is the same on every device of
@@ -19,6 +22,7 @@
 // otherwise name one of this job's operations.
 #include "cpu/allreduce_async.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -54,7 +58,11 @@ struct InFlight {
   bool reduced = false;
   Status status;
   // Owned: XLA may reuse x's buffer as soon as the start call returns.
+  // Packed where a mask selects chunks of the input (n elements of isz bytes).
   std::vector<char> in, out;
+  std::vector<Range> chunks;
+  bool masked = false;
+  size_t n = 0, isz = 0;
   AsyncEvent event;
 
   void Finish(const Status& st) {
@@ -123,13 +131,15 @@ struct StartAttrs {
   int64_t op_id;  // same on every device
   ReductionAttrs reduction;
   int32_t nonce;
+  int64_t chunk_size;  // of the chunk mask; unused without one
 };
 
 const char kStart[] = "allreduce_start";
 const char kDone[] = "allreduce_done";
 
 ffi::Error StartImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coords,
-                     ffi::Result<ffi::Buffer<ffi::S32>> handle, StartAttrs attrs) {
+                     ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::S32>> handle,
+                     StartAttrs attrs) {
   const ReductionAttrs& r = attrs.reduction;
   const int64_t op_id = attrs.op_id;
   const int32_t device = caller.device;
@@ -137,22 +147,43 @@ ffi::Error StartImpl(Caller caller, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> coor
   if (auto err = DecodeReduction(kStart, x, coords, r, &spec); !err.success()) return err;
   if (handle->element_count() != 3) return Invalid(kStart, "the handle must hold 3 int32");
   if (op_id < 0 || op_id > INT32_MAX) return Invalid(kStart, "op_id must fit in int32");
-  const size_t n = x.element_count();
+  auto op = std::make_shared<InFlight>();
+  op->n = x.element_count();
+  op->isz = SizeOf(spec.input);
+  op->masked = mask.element_count() > 0;
+  const char* data = static_cast<const char*>(x.untyped_data());
+  size_t n = op->n;  // what travels
+  if (op->masked) {
+    int64_t nchunks = 0;
+    if (auto err = CheckChunkMask(kStart, op->n, attrs.chunk_size, mask.element_count(), &nchunks);
+        !err.success()) {
+      return err;
+    }
+    op->chunks = SelectedChunks(mask.typed_data(), nchunks, attrs.chunk_size, op->n, nchunks);
+    n = 0;
+    for (const Range& c : op->chunks) n += c.size();
+  }
   CallSite site;
   if (Status st = SiteOf(kStart, caller, coords.typed_data(), PlacementOf(op_id, r),
                          Fingerprint(OpTag::kAllReduceStart,
                                      {static_cast<int64_t>(n), static_cast<int>(spec.input),
-                                      static_cast<int>(spec.wire), r.algorithm, r.intra_size}),
+                                      static_cast<int>(spec.wire), r.algorithm, r.intra_size,
+                                      op->masked ? attrs.chunk_size : -1,
+                                      static_cast<int64_t>(op->chunks.size())}),
                          &site);
       !st.ok()) {
     return ToError(st);
   }
 
-  auto op = std::make_shared<InFlight>();
-  const char* data = static_cast<const char*>(x.untyped_data());
-  op->in.assign(data, data + x.size_bytes());
-  op->out.resize(x.size_bytes());
-  op->event = {device, op_id, 0, static_cast<int64_t>(x.size_bytes()), Now(), 0, 0, 0};
+  if (op->masked) {
+    // One byte at least: a mask that selects nothing still names buffers.
+    op->in.resize(std::max<size_t>(n * op->isz, 1));
+    Pack(op->chunks, data, op->in.data(), op->isz);
+  } else {
+    op->in.assign(data, data + x.size_bytes());
+  }
+  op->out.resize(op->in.size());
+  op->event = {device, op_id, 0, static_cast<int64_t>(n * op->isz), Now(), 0, 0, 0};
   op->event.sequence = InFlightTable::Get().Add(device, op_id, op);
   handle->typed_data()[0] = attrs.nonce;
   handle->typed_data()[1] = static_cast<int32_t>(op_id);
@@ -193,7 +224,7 @@ ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<f
                    "from another job's state is not this job's: with missing_ok the call "
                    "reports it, and the caller reduces what it kept)"));
   }
-  if (op->out.size() != y->size_bytes()) {
+  if (op->n * op->isz != y->size_bytes()) {
     return CompletedFuture(Invalid(kDone, "the result must have the started input's size"));
   }
   op->event.landed = Now();
@@ -206,7 +237,11 @@ ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<f
     std::unique_lock<std::mutex> lock(op->mu);
     op->cv.wait(lock, [&] { return op->reduced; });
     if (!op->status.ok()) return promise.SetError(ToError(op->status));
-    std::memcpy(out, op->out.data(), op->out.size());
+    if (op->masked) {
+      Unpack(op->chunks, nullptr, op->out.data(), out, op->n, op->isz, /*zero=*/true);
+    } else {
+      std::memcpy(out, op->out.data(), op->out.size());
+    }
     op->event.returned = Now();
     InFlightTable::Get().Log(op->event);
     promise.SetAvailable();
@@ -225,6 +260,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
                                   .Ctx<Caller>()
                                   .Arg<ffi::AnyBuffer>()         // x
                                   .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [nonce, op_id, sequence]
                                   .Attrs<StartAttrs>());
 
@@ -242,4 +278,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cpu::StartAttrs,
                                       StructMember<int64_t>("op_id")
                                           JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
-                                      StructMember<int32_t>("nonce"));
+                                      StructMember<int32_t>("nonce"),
+                                      StructMember<int64_t>("chunk_size"));

@@ -97,8 +97,9 @@ class Backend:
     # program: the exchange runs while the devices compute other steps.
     starts_async = False
 
-    def allreduce_start(self, bound, flat):
-        """Starts the mean or sum of `flat`; returns a handle (an array) for
+    def allreduce_start(self, bound, flat, *, chunk_mask=None):
+        """Starts the mean or sum of `flat` (of its chunks that `chunk_mask`
+        selects, zeros elsewhere); returns a handle (an array) for
         :meth:`allreduce_done`. Not differentiable."""
         raise NotImplementedError(f"backend {self.name!r} cannot start an allreduce")
 

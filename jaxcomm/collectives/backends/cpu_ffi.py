@@ -53,7 +53,7 @@ class CpuFfiBackend(FfiBackend):
     # executions (xla_ffi/cpu/allreduce_async.cc).
     starts_async = True
 
-    def allreduce_start(self, bound, flat):
+    def allreduce_start(self, bound, flat, *, chunk_mask=None):
         wire, prescale, postscale = bound.scales(flat.dtype)
         return _ffi_calls.allreduce_start(
             flat,
@@ -63,6 +63,8 @@ class CpuFfiBackend(FfiBackend):
             prescale=prescale,
             postscale=postscale,
             nonce=_peers.job_nonce(),
+            chunk_mask=chunk_mask,
+            chunk_size=bound.layout(flat.size).chunk_size,
         )
 
     def allreduce_done(self, bound, handle, like, *, missing_ok=False):
