@@ -310,6 +310,12 @@ TRAIN_CONFIGS = (
     "fp16_ffi",
     "double_buffering_ffi",
     "chunk_sparse_ffi",
+    "chunk_sparse_fp16_ffi",
+    # chunk_sparse one step late: each step's chunks travel during the next.
+    "chunk_sparse_db_ffi",
+    "chunk_sparse_fp16_db_ffi",
+    # The same at density 0.05 (chunk_sparse's default elsewhere is 0.15).
+    "chunk_sparse_d05_fp16_db_ffi",
     "unfused_ffi",
     "double_buffering_unfused_ffi",
     # jaxcomm.double_buffered: the same overlapped exchange, each gradient
@@ -369,8 +375,15 @@ def gradient_exchange(config: str, inner, axes=AXES):
         return jaxcomm.diloco(
             inner, outer, axes, sync_every=10, fragments=2, delay=2, mixing=0.5, backend="xla"
         )
-    wire = fp16 if config == "chunk_sparse_fp16" else None
-    return jaxcomm.chunk_sparse(inner, axes, density=0.15, wire_dtype=wire, backend=backend)
+    wire = fp16 if "_fp16" in config else None
+    return jaxcomm.chunk_sparse(
+        inner,
+        axes,
+        density=0.05 if "_d05" in config else 0.15,
+        wire_dtype=wire,
+        backend=backend,
+        double_buffering=config.endswith("_db"),
+    )
 
 
 def takes_local_params(config: str) -> bool:

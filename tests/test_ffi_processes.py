@@ -121,10 +121,30 @@ WORKER = """
     # Double buffering: "auto" starts each step's exchange over TCP as the
     # step ends and the next step finishes it; "xla" reduces the buffer in
     # the next step (gloo). `forget` makes step 2's handles another job's.
+    other_job = np.array([1, 0, 0], np.int32)
+
     def double_buffered(backend, forget=None):
         tx = optax.chain(
             jaxcomm.allreduce_gradients("d", double_buffering=True, backend=backend),
             optax.sgd(0.1))
+
+        def forge(state):
+            handles = [np.asarray(h) + other_job for h in state[0].handles]
+            return (state[0]._replace(handles=handles), *state[1:])
+
+        return one_step_late(tx, forge if forget else None, forget)
+
+    # chunk_sparse one step late: 3 chunks of 2 elements, 2 of them sent.
+    def sparse_late(backend, forget=None):
+        tx = jaxcomm.chunk_sparse(optax.sgd(0.1), "d", density=0.5, chunk_size=2,
+                                  double_buffering=True, backend=backend)
+
+        def forge(state):
+            return state._replace(handle=np.asarray(state.handle) + other_job)
+
+        return one_step_late(tx, forge if forget else None, forget)
+
+    def one_step_late(tx, forge, forget):
         p = {"w": np.ones((5,), np.float32), "b": np.zeros((), np.float32)}
         with jax.set_mesh(mesh):
             state = tx.init(p)
@@ -139,15 +159,16 @@ WORKER = """
         xs, ys, in_flight, before = sharded(x_all), sharded(y_all), [], _ffi.in_flight()
         for t in range(4):
             if t == forget:
-                handles = [np.asarray(h) + np.array([1, 0, 0], np.int32)
-                           for h in state[0].handles]
-                state = (state[0]._replace(handles=handles), *state[1:])
+                state = forge(state)
             p, state = jax.block_until_ready(f(p, state, xs, ys))
             in_flight.append(_ffi.in_flight() - before)
         return np.concatenate([np.asarray(p["w"]), np.asarray(p["b"])[None]]), in_flight
     out["db_started"], out["db_in_flight"] = double_buffered("auto")
     out["db_forgotten"], _ = double_buffered("auto", forget=2)
     out["db_xla"], _ = double_buffered("xla")
+    out["sparse_started"], out["sparse_in_flight"] = sparse_late("auto")
+    out["sparse_forgotten"], _ = sparse_late("auto", forget=2)
+    out["sparse_xla"], _ = sparse_late("xla")
     np.savez(f"{sys.argv[1]}-{jax.process_index()}.npz", ints=ints, reals=reals, mask=mask,
              **out)
     print("done", flush=True)
@@ -286,6 +307,22 @@ def test_double_buffering_sends_each_steps_exchange_during_the_next_across_proce
         np.testing.assert_allclose(out["db_started"], out["db_xla"], rtol=0, atol=1e-6)
         np.testing.assert_array_equal(out["db_forgotten"], out["db_started"])
         assert not np.allclose(out["db_started"], [1, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.slow
+def test_chunk_sparse_one_step_late_sends_its_chunks_during_the_next_step_across_processes(
+    results,
+):
+    """chunk_sparse(double_buffering=True) across processes: each step starts
+    its masked exchange over TCP (one per local device, in flight after it);
+    the params are those of the same run reduced in the step (gloo's masked
+    exchange, xla), and bitwise those of a run whose handle was another
+    job's at step 2."""
+    for out in results:
+        assert list(out["sparse_in_flight"]) == [2, 2, 2, 2]
+        np.testing.assert_allclose(out["sparse_started"], out["sparse_xla"], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(out["sparse_forgotten"], out["sparse_started"])
+        assert not np.allclose(out["sparse_started"], [1, 1, 1, 1, 1, 0])
 
 
 @pytest.mark.slow
