@@ -388,6 +388,7 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
         entry = {
             "rate_bps": rate,
             "config": config,
+            "name": summary["config"],  # the configuration's own, without the run's length
             "projected": bool(summary.get("projected")),
             "model": summary["model"],
             "params": summary["params"],
@@ -409,6 +410,7 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
             "vs_plain_diloco_step": None,
             "limit_s": None,
             "of_limit": None,
+            "steps_to_target": None,
         }
         reference = plain_diloco(summary["config"]) if not entry["projected"] else None
         if reference is not None:
@@ -426,6 +428,7 @@ def summarize(rows: list[dict], tolerance: float = 0.0) -> list[dict]:
             target = target_quality(final, higher, tolerance)
             entry["target"] = target
             entry["time_to_target_s"] = time_to(points, target, higher)
+            entry["steps_to_target"] = steps_to(points, target, higher)
             base_time = time_to(base[0], target, higher)
             if entry["time_to_target_s"] and base_time:
                 entry["speedup"] = base_time / entry["time_to_target_s"]
@@ -593,9 +596,33 @@ def plot(rows: list[dict], path: str, log_time: bool = False):
 def report(args, rows: list[dict]):
     summary = summarize(rows, args.tolerance)
     print(format_table(summary, rows, args.tolerance), flush=True)
+    for line in recommend_lines(summary):
+        print(line, flush=True)
     if args.png:
         plot(rows, args.png, args.log_time)
         print(f"plot: {args.png}", flush=True)
+
+
+def recommend_lines(summary: list[dict]) -> list[str]:
+    """Per rate, the measured steps to dense's final quality of the runs
+    jaxcomm.costmodel.recommend knows, as its ``steps_to_target``: what it
+    takes to predict the best configuration on another link."""
+    from jaxcomm.costmodel.recommend import CANDIDATES
+
+    lines = []
+    for rate in sorted({s["rate_bps"] for s in summary}):
+        steps = {}
+        for s in summary:
+            if s["rate_bps"] == rate and s["name"] in CANDIDATES and not s["projected"]:
+                # Of several runs of one configuration, the one that got there.
+                if steps.get(s["name"]) is None:
+                    steps[s["name"]] = s["steps_to_target"]
+        if "dense" in steps and steps["dense"]:
+            lines.append(
+                f"{netbed.format_rate(rate)}: for jaxcomm.costmodel.recommend on your link, "
+                f"steps_to_target={steps!r}"
+            )
+    return lines
 
 
 def with_projection(args, rows: list[dict]) -> list[dict]:

@@ -508,3 +508,10 @@ def test_time_to_quality_projects_dense_and_sets_variants_against_plain_diloco()
     assert table["dense, 20 steps"]["of_limit"] is None  # never reached it
     text = ttq.format_table(ttq.summarize(rows + projected + local), rows + projected + local)
     assert "of limit" in text and "25%p" in text
+    # What jaxcomm.costmodel.recommend takes: each known configuration's
+    # steps to dense's final quality, from runs that were not projected.
+    assert ttq.recommend_lines(ttq.summarize(rows + projected)) == []  # dense never got there
+    fast_runs = [*reference, *run("bf16", fast, 40, {0: 5.0, 20: 1.99, 40: 1.9}, 0.6),
+                 *run("diloco_h10_wint4", fast, 40, {0: 5.0, 40: 1.5}, 0.5)]  # fmt: skip
+    (line,) = ttq.recommend_lines(ttq.summarize(fast_runs))
+    assert line.endswith("steps_to_target={'dense': 40, 'bf16': 20}"), line

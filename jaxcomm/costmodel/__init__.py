@@ -14,6 +14,9 @@
   and the benchmarks (one call in flight, interleaved rounds).
 * :func:`plan`: recommends bucket size, algorithm and wire dtype with the predicted
   gain of each.
+* :func:`recommend`: ranks whole configurations (dense, compressed, sparse,
+  DiLoCo, ...) by predicted time to a quality target on a link, from their
+  measured steps to it.
 """
 
 from jaxcomm.costmodel.alphabeta import (
@@ -26,6 +29,7 @@ from jaxcomm.costmodel.alphabeta import (
 from jaxcomm.costmodel.cluster import Cluster, cpu_host, nvlink_ethernet, pcie_infiniband
 from jaxcomm.costmodel.fit import LinkFit, fit_alpha_beta, fit_cluster, measure_allreduce
 from jaxcomm.costmodel.plan import Plan, plan
+from jaxcomm.costmodel.recommend import Candidate, Choice, Recommendation, recommend
 from jaxcomm.costmodel.simulator import GradientTensor, Result, Settings, Workload, simulate
 from jaxcomm.costmodel.timing import time_call, time_rounds
 
@@ -44,11 +48,14 @@ def __getattr__(name):
 __all__ = [
     "allgather_time",
     "alltoall_time",
+    "Candidate",
+    "Choice",
     "Cluster",
     "GradientTensor",
     "LinkFit",
     "ModelProfile",
     "Plan",
+    "Recommendation",
     "Result",
     "Settings",
     "Workload",
@@ -61,6 +68,7 @@ __all__ = [
     "nvlink_ethernet",
     "pcie_infiniband",
     "plan",
+    "recommend",
     "resnet50",
     "ring_allreduce_time",
     "simulate",
