@@ -44,6 +44,7 @@ import functools
 import math
 import os
 import re
+import resource
 import statistics
 import time
 
@@ -664,9 +665,11 @@ def run_train(args):
                 else [float(accuracy(params, *held_out))]
             )
             spans = []  # each timed step's (start, end) on time.monotonic's clock
+            faults = 0  # minor page faults of the timed steps (jaxcomm/_host_memory.py)
             for i in range(args.steps + 1):  # the first compiles
                 x, y = batches[i]
                 start, began = time.perf_counter(), time.monotonic()
+                faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 # One step in flight: overlapping CPU collectives can abort.
                 # A trace of host 0's last step, to see what ran when (thunks).
                 profile = os.environ.get("JAXCOMM_BENCH_PROFILE")
@@ -680,12 +683,14 @@ def run_train(args):
                 if i:
                     times.append(time.perf_counter() - start)
                     spans.append((began, time.monotonic()))
+                    faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted
                 losses.append(float(loss))
                 seconds = time.perf_counter() - start
                 if accs:
                     accs.append(float(accuracy(params, *held_out)))
                 progress(f"train {config} step {i}: {seconds:.3f} s")
             row["step_s"] = statistics.median(times)
+            row["page_faults_per_step"] = faults / len(times)
             # DiLoCo's syncs are rare steps: the mean is its cost per step.
             row["mean_step_s"] = statistics.mean(times)
             # DiLoCo's stats are its last step's, not a mean step's.

@@ -13,7 +13,7 @@
   several processes locally.
 """
 
-from jaxcomm import costmodel, distributed
+from jaxcomm import _host_memory, costmodel, distributed
 from jaxcomm.collectives import (
     all_gather,
     allreduce,
@@ -52,6 +52,9 @@ from jaxcomm.transforms import (
     sparseloco,
     state_specs,
 )
+
+# Before JAX starts its threads, where JAXCOMM_KEEP_HOST_MEMORY=1 asks (see _host_memory).
+_host_memory.keep_host_memory()
 
 __version__ = "0.1.0"
 

@@ -96,3 +96,11 @@ def jaxlib_version() -> tuple[int, ...]:
         if digits.end() < len(part):  # "0rc1": a pre-release suffix ends the number
             break
     return tuple(numbers)
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started its backends (and with them XLA's threads)
+    (``jax._src.xla_bridge.backends_are_initialized``): no public API says."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

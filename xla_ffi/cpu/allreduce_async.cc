@@ -258,10 +258,10 @@ size_t AllReducesInFlight() { return InFlightTable::Get().Size(); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<Caller>()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // [nonce, op_id, sequence]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // [nonce, op_id, sequence]
                                   .Attrs<StartAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
