@@ -24,6 +24,7 @@ enum cudaMemcpyKind {
 };
 
 constexpr unsigned cudaEventDisableTiming = 2;
+constexpr unsigned cudaStreamNonBlocking = 1;
 
 namespace jaxcomm::host_device {
 class Stream;
@@ -39,6 +40,18 @@ cudaError_t cudaSetDevice(int device);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+// A new stream of its own thread; `flags` are accepted and ignored (no
+// legacy default stream here to block on).
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
+// Work issued on `stream` after this call runs once the work issued before
+// `event`'s last record (on its stream, at the time of this call) is done;
+// an event never recorded is no wait, as in CUDA.
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags);
+// Stream-ordered memory: the block is usable by work issued after the
+// allocation (host memory exists at once) and released when `stream` reaches
+// the free.
+cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t stream);
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
 cudaError_t cudaEventQuery(cudaEvent_t event);

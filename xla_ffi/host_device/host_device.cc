@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -294,6 +295,38 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (stream == nullptr) return cudaErrorInvalidValue;
   ++jaxcomm::host_device::host_waits;
   stream->Synchronize();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
+  if (stream == nullptr) return cudaErrorInvalidValue;
+  *stream = new Stream();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  if (stream == nullptr || event == nullptr) return cudaErrorInvalidValue;
+  if (event->progress == nullptr) return cudaSuccess;
+  // The recorded point is taken now: a later record of the same event does
+  // not move this wait, and the event may be destroyed before it runs.
+  std::shared_ptr<Progress> progress = event->progress;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(progress->mu);
+    ticket = event->ticket;
+  }
+  stream->Enqueue([progress = std::move(progress), ticket] {
+    std::unique_lock<std::mutex> lock(progress->mu);
+    progress->cv.wait(lock, [&] { return progress->completed >= ticket; });
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t stream) {
+  if (ptr == nullptr || stream == nullptr) return cudaErrorInvalidValue;
+  *ptr = bytes == 0 ? nullptr : std::malloc(bytes);
+  return bytes == 0 || *ptr != nullptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
+  if (stream == nullptr) return cudaErrorInvalidValue;
+  stream->Enqueue([ptr] { std::free(ptr); });
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
