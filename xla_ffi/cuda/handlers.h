@@ -7,6 +7,10 @@ namespace jaxcomm::cuda {
 extern "C" XLA_FFI_Error* AllReduceCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ReduceScatterCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AllGatherCuda(XLA_FFI_CallFrame* call_frame);
+// The started allreduce and its done call, on jaxcomm's own communicators
+// and stream (cuda/allreduce_async.cc).
+extern "C" XLA_FFI_Error* AllReduceStartCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AllReduceDoneCuda(XLA_FFI_CallFrame* call_frame);
 // The kernels on their own, for tests and benchmarks (testing_registrations).
 extern "C" XLA_FFI_Error* ChunkNormsCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* CastCuda(XLA_FFI_CallFrame* call_frame);

@@ -45,6 +45,10 @@ py::dict Registrations() {
   d["jaxcomm_allreduce"] = Capsule(AllReduceCuda);
   d["jaxcomm_reduce_scatter"] = Capsule(ReduceScatterCuda);
   d["jaxcomm_all_gather"] = Capsule(AllGatherCuda);
+  // Only here: the exchange outlives the call, and XLA lends its
+  // communicators for one call (cuda/allreduce_async.cc).
+  d["jaxcomm_allreduce_start"] = Capsule(AllReduceStartCuda);
+  d["jaxcomm_allreduce_done"] = Capsule(AllReduceDoneCuda);
 #endif
   return d;
 }

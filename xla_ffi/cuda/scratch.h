@@ -20,16 +20,35 @@ namespace jaxcomm::cuda {
 // schedules carve sub-buffers at multiples of 64 bytes from the block start.
 inline constexpr size_t kScratchAlignment = 16;
 
+// Device memory jaxcomm owns, for work that outlives the handler call (a
+// started allreduce on jaxcomm's stream): XLA's scratch is ordered on XLA's
+// stream, so a block it frees as the handler returns may be reused before
+// work on another stream is done with it. Free is ordered after the work
+// already issued on the owner's stream.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual Status Allocate(size_t bytes, void** out) = 0;
+  virtual void Free(void* data) = 0;
+};
+
 // Blocks live until the handler returns; stream order keeps them valid for
 // the work the handler enqueued, as with XLA's own scratch allocator.
 class Scratch {
  public:
   explicit Scratch(const xla::ffi::Context& ctx) : api_(ctx.api()), ctx_(ctx.ctx()) {}
+  // Blocks from `memory` instead of XLA's allocator, given back to it on
+  // destruction.
+  explicit Scratch(DeviceMemory& memory) : memory_(&memory) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
 
   ~Scratch() {
     for (const auto& [data, size] : blocks_) {
+      if (memory_ != nullptr) {
+        memory_->Free(data);
+        continue;
+      }
       XLA_FFI_DeviceMemory_Free_Args args;
       args.struct_size = XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE;
       args.extension_start = nullptr;
@@ -45,6 +64,11 @@ class Scratch {
   Status Allocate(size_t bytes, void** out) {
     *out = nullptr;
     if (bytes == 0) return Status::Ok();
+    if (memory_ != nullptr) {
+      JAXCOMM_RETURN_IF_ERROR(memory_->Allocate(bytes, out));
+      blocks_.emplace_back(*out, bytes);
+      return Status::Ok();
+    }
     XLA_FFI_DeviceMemory_Allocate_Args args;
     args.struct_size = XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE;
     args.extension_start = nullptr;
@@ -77,8 +101,9 @@ class Scratch {
 
   void DestroyError(XLA_FFI_Error* err) const { xla::ffi::internal::DestroyError(api_, err); }
 
-  const XLA_FFI_Api* api_;
-  XLA_FFI_ExecutionContext* ctx_;
+  const XLA_FFI_Api* api_ = nullptr;
+  XLA_FFI_ExecutionContext* ctx_ = nullptr;
+  DeviceMemory* memory_ = nullptr;  // set: not XLA's memory
   std::vector<std::pair<void*, size_t>> blocks_;
 };
 
