@@ -255,18 +255,20 @@ def test_cuda_collectives_on_xla_communicators_through_the_collectives_extension
 
 
 def test_cuda_module_registers_the_collectives_and_keeps_the_kernels_for_tests():
-    """jaxcomm registers registrations(): the collectives only. The kernel
+    """jaxcomm registers registrations(): the collectives only (with the
+    started allreduce where the handlers use jaxcomm's own communicators). The kernel
     handlers, which no jaxcomm call issues, come from testing_registrations()
     for the tests and bench/kernels.py. Importing the module starts no CUDA."""
     if importlib.util.find_spec("jaxcomm._ffi_cuda") is None:
         pytest.skip("jaxcomm._ffi_cuda is not built")
     from jaxcomm import _ffi_cuda
 
-    assert set(_ffi_cuda.registrations()) == {
-        "jaxcomm_allreduce",
-        "jaxcomm_reduce_scatter",
-        "jaxcomm_all_gather",
-    }
+    collectives = {"jaxcomm_allreduce", "jaxcomm_reduce_scatter", "jaxcomm_all_gather"}
+    # The started allreduce runs on jaxcomm's own communicators only: XLA
+    # lends its own for one call (xla_ffi/cuda/allreduce_async.cc).
+    if not _ffi_cuda.uses_xla_communicators:
+        collectives |= {"jaxcomm_allreduce_start", "jaxcomm_allreduce_done"}
+    assert set(_ffi_cuda.registrations()) == collectives
     assert set(_ffi_cuda.testing_registrations()) == {
         "jaxcomm_cast",
         "jaxcomm_pack_chunks",
