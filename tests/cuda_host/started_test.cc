@@ -335,6 +335,64 @@ void CheckTwoInFlight(int64_t op_id, int first_device) {
   CHECK(wrong == 0);
 }
 
+// An in-step allreduce on the same devices while a started one is in
+// flight: the started one has communicators of its own (Lane::kStarted), so
+// the in-step call runs beside it (one slowed exchange round, direct)
+// rather than after its 14 slowed ring steps, and both sums are right.
+void CheckInStepBesideStarted(int64_t op_id, int first_device) {
+  constexpr size_t n = 64;
+  std::atomic<int> beside{0};
+  // Both sites' communicators exist before the clock runs.
+  OnRanks(first_device, [&](int r, HostContext& hc) {
+    std::vector<char> x = Input(XLA_FFI_DataType_F32, r, n, 4), y(n * 4);
+    int32_t coords[2] = {0, r}, handle[3], found;
+    Reduction direct{op_id + 1};
+    direct.algorithm = static_cast<int32_t>(jaxcomm::Algorithm::kDirect);
+    CHECK(InStep(hc, XLA_FFI_DataType_F32, x.data(), y.data(), n, coords, direct).empty());
+    CHECK(Start(hc, XLA_FFI_DataType_F32, x.data(), n, coords, handle, {op_id}).empty());
+    cudaStreamSynchronize(hc.stream);
+    CHECK(Done(hc, handle, XLA_FFI_DataType_F32, y.data(), n, &found, false).empty());
+    cudaStreamSynchronize(hc.stream);  // y is written there
+  });
+  host::InjectedFaults().late_seconds = 0.05;
+  std::vector<std::vector<char>> started(kRanks), in_step(kRanks);
+  OnRanks(first_device, [&](int r, HostContext& hc) {
+    std::vector<char> a = Input(XLA_FFI_DataType_F32, r, n, 5);
+    std::vector<char> b = Input(XLA_FFI_DataType_F32, r, n, 6);
+    std::vector<char> ya(n * 4, 0x7f), yb(n * 4, 0x7f);
+    int32_t coords[2] = {0, r}, handle[3], found = -1;
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(Start(hc, XLA_FFI_DataType_F32, a.data(), n, coords, handle, {op_id}).empty());
+    Reduction direct{op_id + 1};
+    direct.algorithm = static_cast<int32_t>(jaxcomm::Algorithm::kDirect);
+    CHECK(InStep(hc, XLA_FFI_DataType_F32, b.data(), yb.data(), n, coords, direct).empty());
+    cudaStreamSynchronize(hc.stream);
+    beside += std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(400) ? 1 : 0;
+    CHECK(Done(hc, handle, XLA_FFI_DataType_F32, ya.data(), n, &found, false).empty());
+    cudaStreamSynchronize(hc.stream);
+    CHECK(found == 1);
+    started[r] = ya;
+    in_step[r] = yb;
+  });
+  host::ResetFaults();
+  CHECK(beside == kRanks);
+  int wrong = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      double want_a = 0, want_b = 0;
+      for (int q = 0; q < kRanks; ++q) {
+        want_a += Value(q, i, 5);
+        want_b += Value(q, i, 6);
+      }
+      wrong += std::fabs(Element(XLA_FFI_DataType_F32, started[r], i) - want_a) >
+               1e-5 * (std::fabs(want_a) + 50);
+      wrong += std::fabs(Element(XLA_FFI_DataType_F32, in_step[r], i) - want_b) >
+               1e-5 * (std::fabs(want_b) + 50);
+    }
+  }
+  CHECK(wrong == 0);
+}
+
 // What start refuses before any rank communicates, and a done of the wrong
 // size (the operation's buffers are freed, not leaked into the table).
 void CheckArguments(int64_t op_id) {
@@ -370,6 +428,7 @@ int main() {
   CheckMatchesInStep(XLA_FFI_DataType_F32, 3, 120, 20);  // fewer elements than ranks
   CheckMissingAndNonce(200, 50);
   CheckTwoInFlight(300, 60);
+  CheckInStepBesideStarted(500, 70);
   CheckArguments(400);
   CHECK(fake_xla::errors_made == fake_xla::errors_destroyed);
   return Result();

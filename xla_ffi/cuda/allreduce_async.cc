@@ -4,9 +4,9 @@
 //
 // jaxcomm_allreduce_start copies x into a buffer jaxcomm owns (on XLA's
 // stream, so XLA may reuse x at once), and runs the in-step handler's
-// reduction (ReduceContiguous on jaxcomm's own communicators) on a stream
-// jaxcomm owns, one per device, which first waits for XLA's stream to reach
-// the call. jaxcomm_allreduce_done, in this or a later execution, makes XLA's
+// reduction (ReduceContiguous on jaxcomm's own communicators, the device
+// group's started lane: cuda/communicators.h) on a stream jaxcomm owns, one
+// per device, which first waits for XLA's stream to reach the call. jaxcomm_allreduce_done, in this or a later execution, makes XLA's
 // stream wait for that exchange, copies the result out and frees the buffers
 // behind the copy. In between, XLA's stream computes while the exchange runs.
 //
@@ -152,10 +152,12 @@ Status IssueExchange(cudaStream_t xla, cudaStream_t own, int32_t device, const i
   {
     Scratch scratch(memory);  // freed on `own` behind the exchange
     JAXCOMM_RETURN_IF_ERROR(RunOnOwnComms(
-        own, device, coords, attrs.op_id, r.nranks, [&](const CommSet& set, CudaKernels& k) {
+        own, device, coords, attrs.op_id, r.nranks,
+        [&](const CommSet& set, CudaKernels& k) {
           return ReduceContiguous(set, k, own, scratch, static_cast<Algorithm>(r.algorithm),
                                   r.intra_size, spec, in, out, n);
-        }));
+        },
+        Lane::kStarted));
   }
   return RecordEvent(own, reduced);
 }

@@ -10,11 +10,11 @@
 namespace jaxcomm::cuda {
 
 Status RunOnOwnComms(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
-                     int nranks, const CollectiveBody& body) {
+                     int nranks, const CollectiveBody& body, Lane lane) {
   ScopedDevice scoped(device);
   JAXCOMM_RETURN_IF_ERROR(scoped.status());
   RankComms* rc = nullptr;
-  JAXCOMM_RETURN_IF_ERROR(CommsForCall(stream, coords, op_id, device, nranks, &rc));
+  JAXCOMM_RETURN_IF_ERROR(CommsForCall(stream, coords, op_id, device, nranks, &rc, lane));
   std::lock_guard<std::mutex> lock(rc->mu);
   if (!rc->failure.empty()) return Status(Code::kAborted, rc->failure);
   if (rc->size != nranks) {

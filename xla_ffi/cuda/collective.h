@@ -39,7 +39,7 @@ using CommRunner = std::function<Status(const CollectiveBody&)>;
 // `op_id`, runs `body` with them locked, and hands the enqueued work to the
 // watchdog.
 Status RunOnOwnComms(cudaStream_t stream, int device, const int32_t* coords, int64_t op_id,
-                     int nranks, const CollectiveBody& body);
+                     int nranks, const CollectiveBody& body, Lane lane = Lane::kInStep);
 
 // n contiguous elements, reduced with `algorithm` over the set's group:
 // kDirect is ncclAllReduce where NCCL adds in the accumulator type (float32

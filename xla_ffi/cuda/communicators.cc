@@ -96,7 +96,8 @@ class Registry {
     return it == by_call_.end() ? nullptr : it->second;
   }
 
-  Status Join(int64_t op_id, int device, int64_t group, int rank, int nranks, RankComms** out);
+  Status Join(int64_t op_id, int device, int64_t group, int rank, int nranks, Lane lane,
+              RankComms** out);
 
   void Register(int64_t op_id, int64_t group, const ncclUniqueId& id) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -113,7 +114,7 @@ class Registry {
   std::condition_variable cv_;
   std::map<std::pair<int64_t, int>, RankComms*> by_call_;
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<Pending>> pending_;
-  std::map<std::vector<int>, std::shared_ptr<std::vector<RankComms>>> by_devices_;
+  std::map<std::pair<Lane, std::vector<int>>, std::shared_ptr<std::vector<RankComms>>> by_devices_;
   std::map<std::pair<int64_t, int64_t>, ncclUniqueId> ids_;
   std::list<RankComms> per_site_;  // several processes: one group per site
 
@@ -148,7 +149,7 @@ Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
 }
 
 Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nranks,
-                      RankComms** out) {
+                      Lane lane, RankComms** out) {
   std::unique_lock<std::mutex> lock(mu_);
   if (auto it = ids_.find({op_id, group}); it != ids_.end()) {
     // Several processes: the peers are not all here, so no device-set cache.
@@ -178,14 +179,14 @@ Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nr
   }
   p->devices[rank] = device;
   if (++p->arrived == nranks) {
-    auto it = by_devices_.find(p->devices);
+    auto it = by_devices_.find({lane, p->devices});
     if (it != by_devices_.end()) {
       p->group = it->second;
     } else {
       p->create = true;
       p->status = NewUniqueId(&p->id);
       p->group = std::make_shared<std::vector<RankComms>>(nranks);
-      if (p->status.ok()) by_devices_[p->devices] = p->group;
+      if (p->status.ok()) by_devices_[{lane, p->devices}] = p->group;
     }
     p->ready = true;
     cv_.notify_all();
@@ -294,7 +295,7 @@ void RegisterUniqueId(int64_t op_id, int64_t group, const ncclUniqueId& id) {
 }
 
 Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, int device,
-                    int nranks, RankComms** out) {
+                    int nranks, RankComms** out, Lane lane) {
   Registry& registry = Registry::Get();
   if ((*out = registry.Cached(op_id, device)) != nullptr) return Status::Ok();
   // First call of this site on this device: the placement is static per
@@ -307,7 +308,7 @@ Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, i
     return Status(Code::kInvalidArgument, "jaxcomm: rank " + std::to_string(host[1]) +
                                               " is outside a group of " + std::to_string(nranks));
   }
-  return registry.Join(op_id, device, host[0], host[1], nranks, out);
+  return registry.Join(op_id, device, host[0], host[1], nranks, lane, out);
 }
 
 namespace {

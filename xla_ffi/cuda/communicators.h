@@ -52,11 +52,18 @@ struct RankComms {
   std::string failure;  // set when aborted: every later call returns it
 };
 
+// Which work a device group's communicators carry. NCCL runs the work of
+// one communicator in the order it was issued, whatever the stream, so
+// started allreduces (on jaxcomm's stream, cuda/allreduce_async.cc) get
+// communicators of their own: an in-step collective issued while one is in
+// flight then runs beside it instead of after it.
+enum class Lane { kInStep, kStarted };
+
 // Finds (first call: creates) this device's communicators for call site
 // `op_id`. Reads the [group, rank] coords from device memory only on the
 // first call of a site, which therefore synchronizes `stream` once.
 Status CommsForCall(cudaStream_t stream, const int32_t* coords, int64_t op_id, int device,
-                    int nranks, RankComms** out);
+                    int nranks, RankComms** out, Lane lane = Lane::kInStep);
 
 // The intra/inter communicators for `intra_size` ranks per node (a divisor
 // of rc.size, which the caller checked), split from rc.flat on first use
