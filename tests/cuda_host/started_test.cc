@@ -426,6 +426,7 @@ int main() {
   CheckMatchesInStep(XLA_FFI_DataType_F32, 1000, 100, 0);
   CheckMatchesInStep(XLA_FFI_DataType_BF16, 1000, 110, 10);
   CheckMatchesInStep(XLA_FFI_DataType_F32, 3, 120, 20);  // fewer elements than ranks
+  CheckMatchesInStep(XLA_FFI_DataType_F32, 0, 130, 30);  // nothing to allocate or copy
   CheckMissingAndNonce(200, 50);
   CheckTwoInFlight(300, 60);
   CheckInStepBesideStarted(500, 70);
