@@ -6,9 +6,10 @@
 // stream, so XLA may reuse x at once), and runs the in-step handler's
 // reduction (ReduceContiguous on jaxcomm's own communicators, the device
 // group's started lane: cuda/communicators.h) on a stream jaxcomm owns, one
-// per device, which first waits for XLA's stream to reach the call. jaxcomm_allreduce_done, in this or a later execution, makes XLA's
-// stream wait for that exchange, copies the result out and frees the buffers
-// behind the copy. In between, XLA's stream computes while the exchange runs.
+// per device, which first waits for XLA's stream to reach the call.
+// jaxcomm_allreduce_done, in this or a later execution, makes XLA's stream
+// wait for that exchange, copies the result out and frees the buffers behind
+// the copy. In between, XLA's stream computes while the exchange runs.
 //
 // Only on jaxcomm's own communicators: XLA lends its communicators for one
 // call, and runs its own collectives on them on its stream, so an exchange
@@ -51,8 +52,8 @@ class StreamMemory final : public DeviceMemory {
     if (cudaError_t err = cudaMallocAsync(out, bytes, stream_); err != cudaSuccess) {
       return Status(Code::kInternal,
                     "jaxcomm " + std::string(kStart) + ": could not allocate " +
-                        std::to_string(bytes) + " bytes of device memory (cudaMallocAsync: " +
-                        cudaGetErrorName(err) +
+                        std::to_string(bytes) +
+                        " bytes of device memory (cudaMallocAsync: " + cudaGetErrorName(err) +
                         "); XLA_PYTHON_CLIENT_MEM_FRACTION below 0.75 leaves it more");
     }
     return Status::Ok();
@@ -239,9 +240,9 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
   // The handle names the operation on the host, so it is read back: this
   // waits for the work XLA queued before the call, not for the exchange.
   int32_t h[3];
-  if (Status st = FromCuda(cudaMemcpyAsync(h, handle.typed_data(), sizeof(h),
-                                           cudaMemcpyDeviceToHost, xla),
-                           "cudaMemcpyAsync (handle)");
+  if (Status st =
+          FromCuda(cudaMemcpyAsync(h, handle.typed_data(), sizeof(h), cudaMemcpyDeviceToHost, xla),
+                   "cudaMemcpyAsync (handle)");
       !st.ok()) {
     return ToError(st);
   }
@@ -268,14 +269,14 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
   }
   Status st;
   if (op->bytes != y->size_bytes()) {
-    st = Status(Code::kInvalidArgument,
-                std::string("jaxcomm ") + kDone + ": the result must have the started input's size");
+    st = Status(Code::kInvalidArgument, std::string("jaxcomm ") + kDone +
+                                            ": the result must have the started input's size");
   } else {
     st = FromCuda(cudaStreamWaitEvent(xla, op->reduced, 0), "cudaStreamWaitEvent");
     if (st.ok() && op->bytes > 0) {
-      st = FromCuda(cudaMemcpyAsync(y->untyped_data(), op->out, op->bytes,
-                                    cudaMemcpyDeviceToDevice, xla),
-                    "cudaMemcpyAsync (result)");
+      st = FromCuda(
+          cudaMemcpyAsync(y->untyped_data(), op->out, op->bytes, cudaMemcpyDeviceToDevice, xla),
+          "cudaMemcpyAsync (result)");
     }
   }
   // Freed behind the copy on XLA's stream, which waited for the exchange;

@@ -148,8 +148,8 @@ Status Registry::InitRank(RankComms& rc, const ncclUniqueId& id) {
   return st;
 }
 
-Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nranks,
-                      Lane lane, RankComms** out) {
+Status Registry::Join(int64_t op_id, int device, int64_t group, int rank, int nranks, Lane lane,
+                      RankComms** out) {
   std::unique_lock<std::mutex> lock(mu_);
   if (auto it = ids_.find({op_id, group}); it != ids_.end()) {
     // Several processes: the peers are not all here, so no device-set cache.
