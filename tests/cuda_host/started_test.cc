@@ -89,13 +89,23 @@ struct Reduction {
   double prescale = 1.0, postscale = 1.0;
 };
 
+// A chunk mask: `nchunks` flags at `mask` (none: every element).
+struct Mask {
+  bool* mask = nullptr;
+  int64_t nchunks = 0;
+  int64_t chunk_size = 1;
+};
+
 std::string Start(HostContext& hc, XLA_FFI_DataType dtype, void* x, int64_t n, int32_t* coords,
-                  int32_t* handle, Reduction r, int32_t nonce = kNonce) {
-  int64_t x_dims[1] = {n}, coords_dims[1] = {2}, handle_dims[1] = {3};
+                  int32_t* handle, Reduction r, int32_t nonce = kNonce, Mask m = {}) {
+  bool none[1] = {false};
+  int64_t x_dims[1] = {n}, coords_dims[1] = {2}, handle_dims[1] = {3}, mask_dims[1] = {m.nchunks};
   return CallHandler(cuda::AllReduceStartCuda, hc,
-                     {Buf(dtype, x, x_dims), Buf(XLA_FFI_DataType_S32, coords, coords_dims)},
+                     {Buf(dtype, x, x_dims), Buf(XLA_FFI_DataType_S32, coords, coords_dims),
+                      Buf(XLA_FFI_DataType_PRED, m.mask ? m.mask : none, mask_dims)},
                      {Buf(XLA_FFI_DataType_S32, handle, handle_dims)},
                      {{"algorithm", XLA_FFI_DataType_S32, &r.algorithm},
+                      {"chunk_size", XLA_FFI_DataType_S64, &m.chunk_size},
                       {"intra_size", XLA_FFI_DataType_S32, &r.intra_size},
                       {"nonce", XLA_FFI_DataType_S32, &nonce},
                       {"nranks", XLA_FFI_DataType_S32, &r.nranks},
@@ -114,16 +124,17 @@ std::string Done(HostContext& hc, int32_t* handle, XLA_FFI_DataType dtype, void*
                       {"nonce", XLA_FFI_DataType_S32, &nonce}});
 }
 
-// The in-step handler on the same inputs, for the bits to compare with.
+// The in-step handler on the same inputs, for the bits to compare with; with
+// a mask, unselected chunks are zeros (what the done call writes).
 std::string InStep(HostContext& hc, XLA_FFI_DataType dtype, void* x, void* y, int64_t n,
-                   int32_t* coords, Reduction r) {
-  int64_t x_dims[1] = {n}, coords_dims[1] = {2}, mask_dims[1] = {0};
-  int64_t chunk_size = 0, max_chunks = 0;
-  int32_t unselected = static_cast<int32_t>(jaxcomm::Unselected::kLocal);
-  bool mask[1] = {false};
+                   int32_t* coords, Reduction r, Mask m = {}) {
+  bool none[1] = {false};
+  int64_t x_dims[1] = {n}, coords_dims[1] = {2}, mask_dims[1] = {m.nchunks};
+  int64_t chunk_size = m.chunk_size, max_chunks = 0;
+  int32_t unselected = static_cast<int32_t>(jaxcomm::Unselected::kZero);
   return CallHandler(cuda::AllReduceCuda, hc,
                      {Buf(dtype, x, x_dims), Buf(XLA_FFI_DataType_S32, coords, coords_dims),
-                      Buf(XLA_FFI_DataType_PRED, mask, mask_dims)},
+                      Buf(XLA_FFI_DataType_PRED, m.mask ? m.mask : none, mask_dims)},
                      {Buf(dtype, y, x_dims)},
                      {{"algorithm", XLA_FFI_DataType_S32, &r.algorithm},
                       {"chunk_size", XLA_FFI_DataType_S64, &chunk_size},
@@ -168,7 +179,8 @@ bool Contains(const std::string& s, const std::string& part) {
 // the start returns (so the start must have copied it first). Devices
 // first_device + r; the in-step handler runs on devices 40 + r, its own
 // communicators, once the started exchange is done.
-void CheckMatchesInStep(XLA_FFI_DataType dtype, size_t n, int64_t op_id, int first_device) {
+void CheckMatchesInStep(XLA_FFI_DataType dtype, size_t n, int64_t op_id, int first_device,
+                        Mask m = {}) {
   const size_t isz = dtype == XLA_FFI_DataType_F32 ? 4 : 2;
   std::vector<std::vector<char>> started(kRanks), in_step(kRanks);
   std::vector<std::vector<char>> inputs(kRanks);
@@ -182,7 +194,7 @@ void CheckMatchesInStep(XLA_FFI_DataType dtype, size_t n, int64_t op_id, int fir
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       std::memcpy(xp, in.data(), in.size());
     });
-    const std::string s = Start(hc, dtype, x.data(), n, coords, handle, {op_id});
+    const std::string s = Start(hc, dtype, x.data(), n, coords, handle, {op_id}, kNonce, m);
     host::Enqueue(hc.stream, [xp, bytes = x.size()] { std::memset(xp, 0x55, bytes); });
     Report("start", r, s);
     CHECK(s.empty());
@@ -197,7 +209,7 @@ void CheckMatchesInStep(XLA_FFI_DataType dtype, size_t n, int64_t op_id, int fir
   OnRanks(40, [&](int r, HostContext& hc) {
     std::vector<char> x = inputs[r], y(n * isz, 0x7f);
     int32_t coords[2] = {0, r};
-    const std::string e = InStep(hc, dtype, x.data(), y.data(), n, coords, {op_id + 1});
+    const std::string e = InStep(hc, dtype, x.data(), y.data(), n, coords, {op_id + 1}, m);
     Report("in-step", r, e);
     CHECK(e.empty());
     cudaStreamSynchronize(hc.stream);
@@ -208,7 +220,8 @@ void CheckMatchesInStep(XLA_FFI_DataType dtype, size_t n, int64_t op_id, int fir
     differ += started[r] != in_step[r];
     for (size_t i = 0; i < n; ++i) {
       double want = 0;
-      for (int q = 0; q < kRanks; ++q) want += Element(dtype, inputs[q], i);
+      const bool selected = m.mask == nullptr || m.mask[i / m.chunk_size];
+      for (int q = 0; q < kRanks && selected; ++q) want += Element(dtype, inputs[q], i);
       // float32 adds at every hop, rounded to the input type.
       const double tol = (dtype == XLA_FFI_DataType_F32 ? 1e-5 : 2e-2) * (std::fabs(want) + 50);
       far += std::fabs(Element(dtype, started[r], i) - want) > tol;
@@ -408,6 +421,10 @@ void CheckArguments(int64_t op_id) {
                  "jaxcomm allreduce_start: input dtype must be"));
   CHECK(Contains(Start(hc, XLA_FFI_DataType_F32, x, 4, coords, handle, {int64_t{1} << 40}),
                  "op_id must fit in int32"));
+  bool three[3] = {true, true, true};
+  CHECK(Contains(
+      Start(hc, XLA_FFI_DataType_F32, x, 4, coords, handle, {op_id}, kNonce, {three, 3, 2}),
+      "jaxcomm allreduce_start: chunk mask has 3 entries but the input has 2 chunks"));
   // One rank alone: a group of 1.
   Reduction alone{op_id};
   alone.nranks = 1;
@@ -427,6 +444,13 @@ int main() {
   CheckMatchesInStep(XLA_FFI_DataType_BF16, 1000, 110, 10);
   CheckMatchesInStep(XLA_FFI_DataType_F32, 3, 120, 20);  // fewer elements than ranks
   CheckMatchesInStep(XLA_FFI_DataType_F32, 0, 130, 30);  // nothing to allocate or copy
+  // A chunk mask (the last chunk short): the selected chunks summed, zeros
+  // between them, the in-step masked schedule's bits.
+  bool mask[7] = {true, false, false, true, true, false, true};
+  CheckMatchesInStep(XLA_FFI_DataType_F32, 100, 140, 0, {mask, 7, 16});
+  CheckMatchesInStep(XLA_FFI_DataType_BF16, 100, 150, 10, {mask, 7, 16});
+  bool nothing[7] = {};
+  CheckMatchesInStep(XLA_FFI_DataType_F32, 100, 160, 20, {nothing, 7, 16});
   CheckMissingAndNonce(200, 50);
   CheckTwoInFlight(300, 60);
   CheckInStepBesideStarted(500, 70);

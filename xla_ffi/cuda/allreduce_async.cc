@@ -1,6 +1,10 @@
 // An allreduce that outlives the step that starts it, on GPU: the CUDA twin of
 // cpu/allreduce_async.cc, with the same handle ([nonce, op_id, sequence]),
-// the same nonce and missing_ok rules and the same messages.
+// the same nonce and missing_ok rules and the same messages. With a chunk
+// mask the selected chunks travel packed and the done call writes zeros
+// between them, as jaxcomm_allreduce's masked schedule with zeros does on GPU
+// (the same pack, so the same bits): the mask stays on the device, so the
+// packed buffer has all chunks' room, zero-padded.
 //
 // jaxcomm_allreduce_start copies x into a buffer jaxcomm owns (on XLA's
 // stream, so XLA may reuse x at once), and runs the in-step handler's
@@ -88,8 +92,23 @@ Status OwnStream(int device, cudaStream_t* out) {
 struct Started {
   int32_t handle[3];  // the start's copy into its handle reads these
   void* out = nullptr;
-  size_t bytes = 0;
+  size_t bytes = 0;  // of the result
   cudaEvent_t reduced = nullptr;
+  // With a chunk mask: `out` is packed; the mask and its chunk offsets, kept
+  // on the device for the unpack.
+  bool masked = false;
+  size_t n = 0, isz = 0;
+  int64_t chunk_size = 0, nchunks = 0;
+  bool* mask = nullptr;
+  int32_t* offsets = nullptr;
+
+  // Frees the buffers on `stream`, behind what was issued there.
+  void Free(cudaStream_t stream) {
+    StreamMemory memory(stream);
+    memory.Free(out);
+    memory.Free(mask);
+    memory.Free(offsets);
+  }
 };
 
 // Started allreduces not yet taken by their done call, by (device, op_id,
@@ -132,6 +151,7 @@ struct StartAttrs {
   int64_t op_id;  // same on every device
   ReductionAttrs reduction;
   int32_t nonce;
+  int64_t chunk_size;  // of the chunk mask; unused without one
 };
 
 // Issues the exchange of n elements at `in` into `out` on `own`, after XLA's
@@ -163,9 +183,26 @@ Status IssueExchange(cudaStream_t xla, cudaStream_t own, int32_t device, const i
   return RecordEvent(own, reduced);
 }
 
+// Packs the chunks `mask` selects into `in` (n elements, zero past them) on
+// XLA's stream, and keeps the mask and its offsets in op for the done call.
+Status PackOnXla(cudaStream_t xla, const void* x, const bool* mask, Started& op, void* in) {
+  StreamMemory on_xla(xla);
+  JAXCOMM_RETURN_IF_ERROR(
+      on_xla.Allocate(op.nchunks * sizeof(bool), reinterpret_cast<void**>(&op.mask)));
+  JAXCOMM_RETURN_IF_ERROR(
+      on_xla.Allocate((op.nchunks + 1) * sizeof(int32_t), reinterpret_cast<void**>(&op.offsets)));
+  JAXCOMM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(op.mask, mask, op.nchunks * sizeof(bool), cudaMemcpyDeviceToDevice, xla));
+  JAXCOMM_RETURN_IF_ERROR(LaunchChunkOffsets(xla, op.mask, op.nchunks, op.offsets));
+  JAXCOMM_RETURN_IF_ERROR(
+      LaunchPackChunks(xla, x, op.n, op.isz, op.mask, op.offsets, op.chunk_size, op.nchunks, in));
+  return LaunchZeroPackedTail(xla, op.mask, op.offsets, op.nchunks, op.chunk_size, op.n, op.n,
+                              op.isz, in);
+}
+
 ffi::Error StartImpl(cudaStream_t xla, int32_t device, ffi::AnyBuffer x,
-                     ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::Buffer<ffi::S32>> handle,
-                     StartAttrs attrs) {
+                     ffi::Buffer<ffi::S32> coords, ffi::Buffer<ffi::PRED> mask,
+                     ffi::Result<ffi::Buffer<ffi::S32>> handle, StartAttrs attrs) {
   ReduceSpec spec;
   if (auto err = DecodeReduction(kStart, x, coords, attrs.reduction, &spec); !err.success()) {
     return err;
@@ -174,30 +211,43 @@ ffi::Error StartImpl(cudaStream_t xla, int32_t device, ffi::AnyBuffer x,
   if (attrs.op_id < 0 || attrs.op_id > INT32_MAX) {
     return Invalid(kStart, "op_id must fit in int32");
   }
+  auto op = std::make_unique<Started>();
+  op->n = x.element_count();
+  op->isz = SizeOf(spec.input);
+  op->masked = mask.element_count() > 0;
+  if (op->masked) {
+    op->chunk_size = attrs.chunk_size;
+    if (auto err =
+            CheckChunkMask(kStart, op->n, attrs.chunk_size, mask.element_count(), &op->nchunks);
+        !err.success()) {
+      return err;
+    }
+  }
   ScopedDevice scoped(device);
   if (!scoped.status().ok()) return ToError(scoped.status());
   cudaStream_t own;
   if (Status st = OwnStream(device, &own); !st.ok()) return ToError(st);
 
-  // Both buffers come from XLA's stream's order: x is copied there, before
-  // XLA can reuse it, whatever jaxcomm's stream is still busy with.
+  // The buffers come from XLA's stream's order: x is copied (or packed)
+  // there, before XLA can reuse it, whatever jaxcomm's stream is still busy
+  // with.
   const size_t bytes = x.size_bytes();
   void* in = nullptr;
   StreamMemory on_xla(xla);
-  auto op = std::make_unique<Started>();
   op->bytes = bytes;
   if (bytes > 0) {
-    if (Status st = on_xla.Allocate(bytes, &in); !st.ok()) return ToError(st);
-    if (Status st = on_xla.Allocate(bytes, &op->out); !st.ok()) {
-      on_xla.Free(in);
-      return ToError(st);
+    Status st = on_xla.Allocate(bytes, &in);
+    if (st.ok()) st = on_xla.Allocate(bytes, &op->out);
+    if (st.ok() && op->masked) {
+      st = PackOnXla(xla, x.untyped_data(), mask.typed_data(), *op, in);
+    } else if (st.ok()) {
+      st = FromCuda(cudaMemcpyAsync(in, x.untyped_data(), bytes, cudaMemcpyDeviceToDevice, xla),
+                    "cudaMemcpyAsync (x)");
     }
-    if (cudaError_t err =
-            cudaMemcpyAsync(in, x.untyped_data(), bytes, cudaMemcpyDeviceToDevice, xla);
-        err != cudaSuccess) {
+    if (!st.ok()) {
       on_xla.Free(in);
-      on_xla.Free(op->out);
-      return ToError(FromCuda(err, "cudaMemcpyAsync (x)"));
+      op->Free(xla);
+      return ToError(st);
     }
   }
   bool joined = false;
@@ -220,7 +270,7 @@ ffi::Error StartImpl(cudaStream_t xla, int32_t device, ffi::AnyBuffer x,
   StreamMemory free_on(joined ? own : xla);
   free_on.Free(in);
   if (!st.ok()) {
-    free_on.Free(op->out);
+    op->Free(joined ? own : xla);
     if (op->reduced != nullptr) cudaEventDestroy(op->reduced);
     return ToError(st);
   }
@@ -273,7 +323,15 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
                                             ": the result must have the started input's size");
   } else {
     st = FromCuda(cudaStreamWaitEvent(xla, op->reduced, 0), "cudaStreamWaitEvent");
-    if (st.ok() && op->bytes > 0) {
+    if (st.ok() && op->bytes > 0 && op->masked) {
+      CudaKernels k(xla);
+      k.Zero(y->untyped_data(), op->bytes);
+      st = k.status();
+      if (st.ok()) {
+        st = LaunchUnpackChunks(xla, op->out, op->n, op->isz, op->mask, op->offsets, op->chunk_size,
+                                op->nchunks, y->untyped_data());
+      }
+    } else if (st.ok() && op->bytes > 0) {
       st = FromCuda(
           cudaMemcpyAsync(y->untyped_data(), op->out, op->bytes, cudaMemcpyDeviceToDevice, xla),
           "cudaMemcpyAsync (result)");
@@ -283,9 +341,9 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
   // where that wait failed, on jaxcomm's stream behind the exchange.
   cudaStream_t own = nullptr;
   if (st.ok()) {
-    StreamMemory(xla).Free(op->out);
+    op->Free(xla);
   } else if (OwnStream(device, &own).ok()) {
-    StreamMemory(own).Free(op->out);
+    op->Free(own);
   }
   cudaEventDestroy(op->reduced);  // waits already issued keep its point
   return ToError(st);
@@ -297,9 +355,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCuda, StartImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // coords: [group, rank]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // [nonce, op_id, sequence]
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // [nonce, op_id, sequence]
                                   .Attrs<StartAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCuda, DoneImpl,
@@ -317,4 +376,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCuda, DoneImpl,
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cuda::StartAttrs,
                                       StructMember<int64_t>("op_id")
                                           JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
-                                      StructMember<int32_t>("nonce"));
+                                      StructMember<int32_t>("nonce"),
+                                      StructMember<int64_t>("chunk_size"));
