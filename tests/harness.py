@@ -219,3 +219,45 @@ def run_as_users_do(
         if each_step is not None:
             each_step(p, state, u)
     return updates, _to_numpy(p), state
+
+
+# The nonce another job drew: added to a handle, it names an exchange this
+# job never started (a state restored by a new process).
+OTHER_JOB = np.array([1, 0, 0], np.int32)
+
+
+def update_step(tx, params, mesh, axis="data"):
+    """(run, state): ``tx.update`` on each device's row of the gradients,
+    jitted under shard_map, the state initialised from `params` and placed
+    as :func:`jaxcomm.state_specs` says (how a user carries it). ``run(state,
+    grads)`` returns (update, state)."""
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    specs = jaxcomm.state_specs(state, axis)
+
+    def step(state, g):
+        return tx.update(jax.tree.map(lambda x: x[0], g), state)
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(P(), specs)))
+    return run, jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def run_updates(tx, params, grads_seq, mesh, *, before_step=None, axis="data"):
+    """Runs :func:`update_step` on each step's grads (one row per device),
+    one step in flight. ``before_step(t, state)`` may replace the state
+    before step t. Returns the updates and the states (NumPy) and, after each
+    step, how many more started allreduces are in flight than before."""
+    from jaxcomm import _ffi
+
+    run, state = update_step(tx, params, mesh, axis)
+    updates, states, in_flight, before = [], [], [], _ffi.in_flight()
+    for t, g in enumerate(grads_seq):
+        if before_step is not None:
+            state = before_step(t, state)
+        u, state = jax.block_until_ready(
+            run(state, jax.device_put(g, NamedSharding(mesh, P(axis))))
+        )
+        updates.append(_to_numpy(u))
+        states.append(_to_numpy(state))
+        in_flight.append(_ffi.in_flight() - before)
+    return updates, states, in_flight

@@ -16,11 +16,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from tests.harness import (
+    OTHER_JOB,
     assert_same_on_all_devices,
     mesh_of,
     optax_on_mean,
     random_grads,
     run_steps,
+    run_updates,
 )
 from tests.reference import direct_float32, error_bound
 
@@ -688,33 +690,17 @@ def test_gradient_through_a_bucket_is_that_through_leaves(mesh, dtype):
 
 
 def _started_run(tx, grads, mesh, *, forget_at=None):
-    """Runs `tx`'s update on each step's `grads` (state carried by
-    state_specs, one step in flight), returning the updates and, after each
-    step, how many more allreduces are in flight than before. At step `forget_at` the state's
-    handles are made another job's (as in a state restored by a new
-    process): that step must reduce the buffer it kept."""
-    from jaxcomm import _ffi
+    """`tx`'s updates on each step's `grads` as users run them, and after
+    each step how many more allreduces are in flight than before. At step
+    `forget_at` the state's handles are made another job's (as in a state
+    restored by a new process): that step must reduce the buffer it kept."""
 
-    with jax.set_mesh(mesh):
-        state = tx.init(_params())
-    specs = jaxcomm.state_specs(state, "data")
+    def forget(t, state):
+        if t != forget_at:
+            return state
+        return state._replace(handles=[np.asarray(h) + OTHER_JOB for h in state.handles])
 
-    def step(state, g):
-        return tx.update(jax.tree.map(lambda x: x[0], g), state)
-
-    run = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs))
-    )
-    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    updates, in_flight, before = [], [], _ffi.in_flight()
-    for t, g in enumerate(grads):
-        if t == forget_at:
-            other_job = np.array([1, 0, 0], np.int32)  # the nonce another job drew
-            state = state._replace(handles=[np.asarray(h) + other_job for h in state.handles])
-        g = jax.device_put(g, NamedSharding(mesh, P("data")))
-        u, state = jax.block_until_ready(run(state, g))
-        updates.append(jax.tree.map(np.asarray, u))
-        in_flight.append(_ffi.in_flight() - before)
+    updates, _, in_flight = run_updates(tx, _params(), grads, mesh, before_step=forget)
     return updates, in_flight
 
 

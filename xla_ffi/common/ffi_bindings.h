@@ -43,11 +43,19 @@ struct AllReduceAttrs {
   ChunkMaskAttrs mask;
 };
 
-// allreduce_parts' attributes (CPU); allreduce_start's add a nonce
-// (cpu/allreduce_async.cc).
+// allreduce_parts' attributes (CPU).
 struct ReductionAtOpId {
   int64_t op_id;
   ReductionAttrs reduction;
+};
+
+// allreduce_start's attributes (cpu/ and cuda/allreduce_async.cc):
+// allreduce_parts' and this job's nonce, and the chunk mask's chunk size.
+struct StartAttrs {
+  int64_t op_id;  // same on every device
+  ReductionAttrs reduction;
+  int32_t nonce;
+  int64_t chunk_size;  // of the chunk mask; unused without one
 };
 
 namespace bindings {
@@ -74,6 +82,30 @@ auto BindAllReduce(B&& b) {
       .template Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
       .template Ret<ffi::AnyBuffer>()          // y, x's shape and dtype
       .template Attrs<AllReduceAttrs<site>>();
+}
+
+// allreduce_start: x, coords, mask; returns the handle.
+template <typename B>
+auto BindAllReduceStart(B&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()          // x
+      .template Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
+      .template Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
+      .template Ret<ffi::Buffer<ffi::S32>>()   // [nonce, op_id, sequence]
+      .template Attrs<StartAttrs>();
+}
+
+// allreduce_done: the handle; returns the result and whether it was found.
+template <typename B>
+auto BindAllReduceDone(B&& b) {
+  namespace ffi = xla::ffi;
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
+      .template Ret<ffi::AnyBuffer>()         // y: the started x, reduced
+      .template Ret<ffi::Buffer<ffi::S32>>()  // found: 1, or 0 (y unwritten)
+      .template Attr<int32_t>("nonce")        // this job's
+      .template Attr<bool>("missing_ok");     // else a missing one is an error
 }
 
 template <Site site, typename B>
@@ -119,3 +151,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::AllReduceAttrs<jaxcomm::Site::kGr
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::ReductionAtOpId,
                                       StructMember<int64_t>("op_id")
                                           JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::StartAttrs,
+                                      StructMember<int64_t>("op_id")
+                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
+                                      StructMember<int32_t>("nonce"),
+                                      StructMember<int64_t>("chunk_size"));

@@ -115,6 +115,19 @@ inline ffi::Error DecodeReduction(const std::string& op, const ffi::AnyBuffer& x
   return ffi::Error::Success();
 }
 
+// allreduce_done's error for a handle this job has not in flight, `h` as
+// read ([nonce, op_id, sequence]), on `device`, with this job's `nonce`.
+inline ffi::Error MissingHandle(int32_t device, const int32_t* h, int32_t nonce) {
+  return Invalid(
+      "allreduce_done",
+      "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
+          std::to_string(h[0]) + ", " + std::to_string(h[1]) + ", " + std::to_string(h[2]) +
+          "] (this job's handles begin " + std::to_string(nonce) +
+          "): each handle is finished once, in the job that started it (a handle restored "
+          "from another job's state is not this job's: with missing_ok the call "
+          "reports it, and the caller reduces what it kept)");
+}
+
 // The chunks of `elements` (common/chunk_layout.h): sets `nchunks`, or says
 // why `chunk_size` cannot cut them.
 inline ffi::Error CountChunks(const std::string& op, size_t elements, int64_t chunk_size,

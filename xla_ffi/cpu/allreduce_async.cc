@@ -125,15 +125,6 @@ class InFlightTable {
   std::deque<AsyncEvent> log_;
 };
 
-// allreduce_start's attributes: allreduce_parts' (ReductionAtOpId) and this
-// job's nonce.
-struct StartAttrs {
-  int64_t op_id;  // same on every device
-  ReductionAttrs reduction;
-  int32_t nonce;
-  int64_t chunk_size;  // of the chunk mask; unused without one
-};
-
 const char kStart[] = "allreduce_start";
 const char kDone[] = "allreduce_done";
 
@@ -216,13 +207,7 @@ ffi::Future DoneImpl(int32_t device, ffi::Buffer<ffi::S32> handle, ffi::Result<f
     return CompletedFuture(ffi::Error::Success());
   }
   if (!op) {
-    return CompletedFuture(Invalid(
-        kDone, "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
-                   std::to_string(h[0]) + ", " + std::to_string(h[1]) + ", " +
-                   std::to_string(h[2]) + "] (this job's handles begin " + std::to_string(nonce) +
-                   "): each handle is finished once, in the job that started it (a handle restored "
-                   "from another job's state is not this job's: with missing_ok the call "
-                   "reports it, and the caller reduces what it kept)"));
+    return CompletedFuture(MissingHandle(device, h, nonce));
   }
   if (op->n * op->isz != y->size_bytes()) {
     return CompletedFuture(Invalid(kDone, "the result must have the started input's size"));
@@ -256,27 +241,9 @@ std::vector<AsyncEvent> AsyncTimeline() { return InFlightTable::Get().Timeline()
 size_t AllReducesInFlight() { return InFlightTable::Get().Size(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCpu, StartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Caller>()
-                                  .Arg<ffi::AnyBuffer>()          // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // [nonce, op_id, sequence]
-                                  .Attrs<StartAttrs>());
+                              BindAllReduceStart(ffi::Ffi::Bind().Ctx<Caller>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCpu, DoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
-                                  .Ret<ffi::AnyBuffer>()         // y: the started x, reduced
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // found: 1, or 0 (y unwritten)
-                                  .Attr<int32_t>("nonce")        // this job's
-                                  .Attr<bool>("missing_ok"));    // else a missing one is an error
+                              BindAllReduceDone(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>()));
 
 }  // namespace jaxcomm::cpu
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cpu::StartAttrs,
-                                      StructMember<int64_t>("op_id")
-                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
-                                      StructMember<int32_t>("nonce"),
-                                      StructMember<int64_t>("chunk_size"));

@@ -146,14 +146,6 @@ class StartedTable {
   std::map<std::pair<int32_t, int64_t>, int64_t> next_;
 };
 
-// allreduce_start's attributes, as on CPU: allreduce_parts' and the nonce.
-struct StartAttrs {
-  int64_t op_id;  // same on every device
-  ReductionAttrs reduction;
-  int32_t nonce;
-  int64_t chunk_size;  // of the chunk mask; unused without one
-};
-
 // Issues the exchange of n elements at `in` into `out` on `own`, after XLA's
 // stream has produced `in`; records `reduced` after it. `joined`: whether
 // `own` waits for XLA's stream, so that what follows on `own` comes after
@@ -309,13 +301,7 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
   }
   if (!op && missing_ok) return ffi::Error::Success();  // the caller reduces what it kept
   if (!op) {
-    return Invalid(
-        kDone, "no allreduce in flight on device " + std::to_string(device) + " with handle [" +
-                   std::to_string(h[0]) + ", " + std::to_string(h[1]) + ", " +
-                   std::to_string(h[2]) + "] (this job's handles begin " + std::to_string(nonce) +
-                   "): each handle is finished once, in the job that started it (a handle restored "
-                   "from another job's state is not this job's: with missing_ok the call "
-                   "reports it, and the caller reduces what it kept)");
+    return MissingHandle(device, h, nonce);
   }
   Status st;
   if (op->bytes != y->size_bytes()) {
@@ -352,29 +338,13 @@ ffi::Error DoneImpl(cudaStream_t xla, int32_t device, ffi::Buffer<ffi::S32> hand
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceStartCuda, StartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // coords: [group, rank]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()  // chunk mask; empty = all
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // [nonce, op_id, sequence]
-                                  .Attrs<StartAttrs>());
+                              BindAllReduceStart(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                     .Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllReduceDoneCuda, DoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle from the start
-                                  .Ret<ffi::AnyBuffer>()         // y: the started x, reduced
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // found: 1, or 0 (y unwritten)
-                                  .Attr<int32_t>("nonce")        // this job's
-                                  .Attr<bool>("missing_ok"));    // else a missing one is an error
+                              BindAllReduceDone(ffi::Ffi::Bind()
+                                                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<ffi::DeviceOrdinal>()));
 
 }  // namespace jaxcomm::cuda
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcomm::cuda::StartAttrs,
-                                      StructMember<int64_t>("op_id")
-                                          JAXCOMM_REDUCTION_ATTRS(JAXCOMM_ATTR_MEMBER),
-                                      StructMember<int32_t>("nonce"),
-                                      StructMember<int64_t>("chunk_size"));
