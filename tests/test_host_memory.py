@@ -73,3 +73,20 @@ def test_a_step_does_not_fault_its_temporaries_in_again():
     kept, faults = _faults_per_step(None)  # the default
     assert not kept
     assert faults > 4000, faults
+
+
+def test_asked_too_late_it_says_so():
+    """Set, but JAX started before jaxcomm was imported: nothing is tuned,
+    and a warning says why and what to do."""
+    script = "import jax.numpy as jnp; jnp.ones(2).block_until_ready(); import jaxcomm"
+    env = {**os.environ, "JAXCOMM_KEEP_HOST_MEMORY": "1", "XLA_FLAGS": ""}
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "JAXCOMM_KEEP_HOST_MEMORY=1 has no effect" in out.stderr
+    assert "import jaxcomm before running anything in JAX" in out.stderr
