@@ -217,7 +217,7 @@ def chunk_sparse(
             upd, inner_state = inner.update(updates, state.inner, params)
             return upd, state._replace(inner=inner_state, count=state.count + 1)
         if double_buffering:
-            return _one_step_late(updates, state, params, bound, leaves)
+            return _one_step_late(updates, state, params, bound, leaves, layout)
         mask = state.mask.reshape(-1)  # this shard's, of a sharded model's
         old_residual = state.residual.value
 
@@ -289,11 +289,10 @@ def chunk_sparse(
         )
         return upd, new
 
-    def _one_step_late(updates, state, params, bound, leaves):
+    def _one_step_late(updates, state, params, bound, leaves, layout):
         """The step above run one step late: this step applies the exchange
         of the previous step's pool (on `state.mask`) and starts its own."""
         started = exchange.starts_between_steps
-        layout = bound.layout(sum(int(np.size(x)) for x in leaves))
         flying = state.mask
         pending = jnp.any(flying)  # none before the first step
         sent = per_device.local(state.sent).reshape(-1)
