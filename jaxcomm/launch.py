@@ -194,15 +194,24 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def describe(rank: int, returncode: int) -> str:
-    """What happened to a process, in words."""
+def describe(rank: int | str, returncode: int) -> str:
+    """What happened to a process, in words; ``rank`` is its rank, or its
+    name as a string (e.g. ``"replica 2"``).
+
+    Examples:
+      >>> describe(1, -9)
+      'rank 1 was killed by SIGKILL'
+      >>> describe("replica 2", 3)
+      'replica 2 exited with code 3'
+    """
+    who = rank if isinstance(rank, str) else f"rank {rank}"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        return f"rank {rank} was killed by {name}"
-    return f"rank {rank} exited with code {returncode}"
+        return f"{who} was killed by {name}"
+    return f"{who} exited with code {returncode}"
 
 
 class _Interrupted(Exception):
