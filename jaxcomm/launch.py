@@ -1,5 +1,10 @@
 """Local multi-process launcher: ``python -m jaxcomm.launch -n 2 script.py args...``.
 
+With ``--replicas N`` it runs N fault-tolerant replica groups instead, each
+of ``-n`` processes (default 1), beside a lighthouse that coordinates them,
+and restarts a group that dies: see :mod:`jaxcomm.launch_replicas`. The rest
+of this docstring is about the plain mode, one job of ``n`` processes.
+
 Starts ``n`` copies of a Python script on this machine as the processes of one
 ``jax.distributed`` job: picks a free port on 127.0.0.1 for the coordinator,
 gives each process ``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES`` and
@@ -339,9 +344,18 @@ def _watch(procs: Sequence[subprocess.Popen]) -> tuple[int, int | None]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomm.launch",
-        description="Run a JAX script as N local processes of one jax.distributed job.",
+        description="Run a JAX script as N local processes of one jax.distributed job; "
+        "with --replicas, as N fault-tolerant replica groups beside a lighthouse, "
+        "restarting a group that dies.",
     )
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument(
+        "-n",
+        "--num-processes",
+        type=int,
+        default=None,
+        help="processes of the job (required without --replicas); with --replicas, "
+        "processes per replica group (default 1)",
+    )
     parser.add_argument(
         "--devices-per-process",
         type=int,
@@ -357,17 +371,76 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--grace-period",
         type=float,
         default=5.0,
-        help="seconds between SIGTERM and SIGKILL after Ctrl-C (default 5); "
-        "when a process fails the others are killed at once",
+        help="seconds between SIGTERM and SIGKILL after Ctrl-C, and for the lighthouse "
+        "at the end (default 5); when a process fails the others are killed at once",
     )
     parser.add_argument(
         "--show-gloo",
         action="store_true",
         help="show gloo's lines saying each device connected to its peers (hidden by default)",
     )
+    ft = parser.add_argument_group(
+        "replica groups",
+        "Fault-tolerant mode: every group gets JAXCOMM_FT_LIGHTHOUSE, JAXCOMM_FT_JOB_ID, "
+        "JAXCOMM_FT_REPLICA_ID, JAXCOMM_FT_REPLICAS and JAXCOMM_FT_INCARNATION.",
+    )
+    ft.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="run this many replica groups and a lighthouse (jaxcomm.ft.lighthouse) on 127.0.0.1",
+    )
+    ft.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="restarts allowed per group before the job fails (default 3)",
+    )
+    ft.add_argument(
+        "--restart-delay",
+        type=float,
+        default=None,
+        help="seconds before restarting a dead group or lighthouse (default 1)",
+    )
+    ft.add_argument(
+        "--lighthouse-port",
+        type=int,
+        default=None,
+        help="the lighthouse's port on 127.0.0.1 (default: a free one)",
+    )
+    ft.add_argument(
+        "--job-id", default=None, help="the job id given to the lighthouse (default: random)"
+    )
     parser.add_argument("script", help="Python script to run in every process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = parser.parse_args(argv)
+    replica_options = {
+        "--max-restarts": args.max_restarts,
+        "--restart-delay": args.restart_delay,
+        "--lighthouse-port": args.lighthouse_port,
+        "--job-id": args.job_id,
+    }
+    if args.replicas is None:
+        if args.num_processes is None:
+            parser.error("the following arguments are required: -n/--num-processes")
+        for option, value in replica_options.items():
+            if value is not None:
+                parser.error(f"{option} needs --replicas")
+    else:
+        if args.replicas < 1:
+            parser.error(f"--replicas {args.replicas}: need at least 1 replica group")
+        if args.one_gpu_each:
+            parser.error("--one-gpu-each does not work with --replicas")
+        if args.num_processes is None:
+            args.num_processes = 1
+        if args.max_restarts is not None and args.max_restarts < 0:
+            parser.error(f"--max-restarts {args.max_restarts}: must not be negative")
+        if args.restart_delay is not None and args.restart_delay < 0:
+            parser.error(f"--restart-delay {args.restart_delay}: must not be negative")
+        if args.lighthouse_port is not None and not 1 <= args.lighthouse_port <= 65535:
+            parser.error(f"--lighthouse-port {args.lighthouse_port}: must be in 1..65535")
+        if args.job_id is not None and not args.job_id:
+            parser.error("--job-id: must not be empty")
     if args.num_processes < 1:
         parser.error(f"-n {args.num_processes}: need at least 1 process")
     if args.devices_per_process is not None and args.devices_per_process < 1:
@@ -380,6 +453,25 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
+        if args.replicas is not None:
+            # Imported here: jaxcomm.launch_replicas imports this module.
+            from jaxcomm.launch_replicas import launch_replicas
+
+            optional = {
+                "max_restarts": args.max_restarts,
+                "restart_delay": args.restart_delay,
+                "lighthouse_port": args.lighthouse_port,
+                "job_id": args.job_id,
+            }
+            return launch_replicas(
+                [sys.executable, args.script, *args.args],
+                args.replicas,
+                processes_per_replica=args.num_processes,
+                devices_per_process=args.devices_per_process,
+                grace_period=args.grace_period,
+                show_gloo=args.show_gloo,
+                **{k: v for k, v in optional.items() if v is not None},
+            )
         return launch(
             [sys.executable, args.script, *args.args],
             args.num_processes,
