@@ -70,17 +70,18 @@ POLL_SECONDS = 0.1
 HOST = "127.0.0.1"
 
 
-def default_lighthouse_command(port: int, job_id: str) -> list[str]:
+def default_lighthouse_command(port: int, job_id: str, replicas: int = 1) -> list[str]:
     """The default lighthouse: ``jaxcomm.ft.lighthouse`` on ``127.0.0.1:port``.
 
     Examples:
-      >>> default_lighthouse_command(1234, "ab")[1:]
-      ['-m', 'jaxcomm.ft.lighthouse', '--host', '127.0.0.1', '--port', '1234', '--job-id', 'ab']
+      >>> default_lighthouse_command(1234, "ab", 3)[1:]
+      ['-m', 'jaxcomm.ft.lighthouse', '--host', '127.0.0.1', '--port', '1234', '--job-id', 'ab', '--replicas', '3']
     """
     return [sys.executable, "-m", "jaxcomm.ft.lighthouse"] + [
         *("--host", HOST),
         *("--port", str(port)),
         *("--job-id", job_id),
+        *("--replicas", str(replicas)),
     ]
 
 
@@ -187,7 +188,7 @@ def launch_replicas(
     children.ports.add(port)
     job_id = job_id or secrets.token_hex(8)
     if lighthouse_command is None:
-        lighthouse_command = default_lighthouse_command(port, job_id)
+        lighthouse_command = default_lighthouse_command(port, job_id, replicas)
     base = dict(os.environ)
     # Set by an outer launcher, these would make a one-process group join
     # that job; a group of M gets its own from process_env.

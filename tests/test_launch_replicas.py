@@ -325,10 +325,10 @@ def test_sigterm_to_the_launcher_stops_everything(run, tmp_path):
 
 
 def test_default_lighthouse_command():
-    assert lr.default_lighthouse_command(4321, "abc") == [
+    assert lr.default_lighthouse_command(4321, "abc", 4) == [
         sys.executable,
         *("-m", "jaxcomm.ft.lighthouse"),
-        *("--host", "127.0.0.1", "--port", "4321", "--job-id", "abc"),
+        *("--host", "127.0.0.1", "--port", "4321", "--job-id", "abc", "--replicas", "4"),
     ]
 
 
