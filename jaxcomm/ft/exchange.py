@@ -158,6 +158,7 @@ class Endpoint:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("another allreduce_sum is running on this Endpoint")
         key = (int(epoch), int(round))
+        deadline = min(float(deadline), time.monotonic() + 1e6)  # socket timeouts overflow past it
         try:
             self._start(key)
             try:
@@ -185,6 +186,10 @@ class Endpoint:
             self._closed = True
             held, self._held = list(self._held.values()), {}
         self.abort()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() at once on Linux
+        except OSError:
+            pass
         self._acceptor.join()
         self._listener.close()
         for conn in held:
@@ -380,7 +385,8 @@ class Endpoint:
             except TimeoutError:
                 continue
             except OSError:
-                time.sleep(_POLL_S)  # e.g. out of file descriptors
+                if not self._closed:
+                    time.sleep(_POLL_S)  # e.g. out of file descriptors
                 continue
             threading.Thread(target=self._handshake, args=(conn, addr), daemon=True).start()
 
