@@ -165,6 +165,32 @@ def test_member_aborted_mid_exchange_fails_the_others_fast(endpoints):
     assert max(took) < 2.0
 
 
+def test_member_that_fails_before_sending_fails_the_others_fast(endpoints):
+    eps = endpoints(3)
+    me2 = members_of(eps)[2:]
+    eps[2].allreduce_sum(np.ones(4, np.float32), epoch=0, round=5, members=me2, deadline=1e12)
+    # Replica 2 is past round 1: it refuses 1, which fails before sending and closes the
+    # connection 0 made to it; 0 notices that while it waits for 2's connection.
+    xs = [np.ones(4000, np.float32)] * 3
+    first: list = []
+    members = members_of(eps)
+    kw = dict(epoch=0, round=1, members=members, timeout=30.0)
+    zero = threading.Thread(target=lambda: first.append(run_round(eps[:1], xs[:1], **kw)))
+    zero.start()
+    try:
+        wait_until = time.monotonic() + 10
+        while not eps[1]._held and time.monotonic() < wait_until:
+            time.sleep(0.01)  # 0 has connected to 1 before 1 starts the round
+        results, took = run_round(eps[1:], xs[1:], **kw)
+    finally:
+        zero.join(35)
+    results, took = first[0][0] + results, first[0][1] + took
+    assert all(isinstance(r, ExchangeAborted) for r in results), results
+    assert "refused by the peer: stale" in str(results[1])
+    assert "closed its connection [peer replica 1" in str(results[0])
+    assert max(took) < 2.0
+
+
 CHILD = textwrap.dedent(
     """
     import importlib.util, json, sys, time

@@ -11,6 +11,7 @@ compare hashes of their parameters.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -57,9 +58,23 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def _peer_closed(watch: socket.socket, timeout: float = 0.0, sock: socket.socket | None = None):
+    """Whether the peer closed ``watch``, waiting up to ``timeout`` or until ``sock`` is readable.
+
+    Nothing arrives on a connection to the right neighbour after its ack, so readable means closed.
+    """
+    poll = select.poll()
+    poll.register(watch, select.POLLIN)
+    if sock is not None:
+        poll.register(sock, select.POLLIN)
+    return any(fd == watch.fileno() for fd, _ in poll.poll(int(timeout * 1000) + 1))
+
+
+def _recv_exact(sock, view: memoryview, deadline: float, watch: socket.socket | None = None):
     got = 0
     while got < len(view):
+        if watch is not None and _peer_closed(watch, _remaining(deadline), sock):
+            raise ConnectionError("the right neighbour closed its connection")
         sock.settimeout(_remaining(deadline))
         n = sock.recv_into(view[got:])
         if n == 0:
@@ -254,7 +269,7 @@ class Endpoint:
         acc = x.copy()
         try:
             out = self._connect(right, key, deadline)
-            inc = self._take(left, key, deadline)
+            inc = self._take(left, key, deadline, out, right)
             for phase in ("reduce-scatter", "all-gather"):
                 for s in range(n - 1):
                     # Reduce-scatter leaves member me with chunk me + 1; the all-gather passes
@@ -265,8 +280,13 @@ class Endpoint:
                     a = acc[starts[send] : starts[send + 1]]
                     payload = memoryview((a if wire is None else a.astype(wire)).view(np.uint8))
                     doing = f"{phase} step {s}"
+                    # Until its last message the right neighbour cannot be done: it closing
+                    # the connection means it failed.
+                    watch = None if phase == "all-gather" and s == n - 2 else out
                     nbytes = (hi - lo) * itemsize
-                    self._step(out, inc, payload, nbytes, deadline, key, doing, (right, left))
+                    self._step(
+                        out, inc, payload, nbytes, deadline, key, doing, watch, (right, left)
+                    )
                     got = np.frombuffer(self._buf, wire or np.float32, hi - lo).astype(np.float32)
                     if phase == "reduce-scatter":
                         acc[lo:hi] += got
@@ -324,7 +344,7 @@ class Endpoint:
             raise self._error(peer, key, "sending the header", e) from e
         raise self._error(peer, key, "handshake", cause)
 
-    def _take(self, peer: Member, key: tuple[int, int], deadline: float) -> socket.socket:
+    def _take(self, peer: Member, key, deadline: float, out, right: Member) -> socket.socket:
         with self._cond:
             while True:
                 if self._aborted:
@@ -333,12 +353,14 @@ class Endpoint:
                 if conn is not None:
                     self._socks.append(conn)
                     return conn
+                if _peer_closed(out):
+                    raise self._error(right, key, "waiting", "it closed its connection")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._error(peer, key, "waiting for its connection", TimeoutError())
-                self._cond.wait(left)
+                self._cond.wait(min(left, 0.05))
 
-    def _step(self, out, inc, payload, nbytes, deadline, key, doing, peers) -> None:
+    def _step(self, out, inc, payload, nbytes, deadline, key, doing, watch, peers) -> None:
         # Send and receive at once: big chunks would deadlock on full socket buffers otherwise.
         right, left = peers
         errors: list[BaseException] = []
@@ -356,9 +378,10 @@ class Endpoint:
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         try:
-            self._recv_msg(inc, nbytes, deadline)
+            self._recv_msg(inc, nbytes, deadline, watch)
         except OSError as e:
-            failed, peer = (errors[0], right) if errors else (e, left)
+            closed = "right neighbour" in str(e)
+            failed, peer = (errors[0], right) if errors else (e, right if closed else left)
             self._shutdown_round()
             sender.join(1.0)
             raise self._error(peer, key, doing, failed) from failed
@@ -368,13 +391,13 @@ class Endpoint:
             sender.join(1.0)
             raise self._error(right, key, doing, errors[0] if errors else TimeoutError())
 
-    def _recv_msg(self, inc: socket.socket, nbytes: int, deadline: float) -> None:
+    def _recv_msg(self, inc, nbytes: int, deadline: float, watch) -> None:
         head = bytearray(_LEN.size)
-        _recv_exact(inc, memoryview(head), deadline)
+        _recv_exact(inc, memoryview(head), deadline, watch)
         (length,) = _LEN.unpack(head)
         if length != nbytes:
             raise ConnectionError(f"protocol error: a message of {length} bytes, not {nbytes}")
-        _recv_exact(inc, memoryview(self._buf)[:nbytes], deadline)
+        _recv_exact(inc, memoryview(self._buf)[:nbytes], deadline, watch)
 
     # Listening.
 
