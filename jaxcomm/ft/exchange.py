@@ -217,9 +217,10 @@ class Endpoint:
             if self._closed:
                 raise ExchangeAborted(f"replica {self.replica_id}: the endpoint is closed")
             if self._key is not None and key <= self._key:
+                why = "was aborted" if key == self._key and self._aborted else "ran"
                 raise ExchangeAborted(
                     f"replica {self.replica_id}: epoch/round {key} is not newer than {self._key}, "
-                    "the last one run here (a round cannot run again, aborted or not)"
+                    f"the last one that {why} here; a round cannot run twice"
                 )
             self._key, self._running, self._aborted, self._socks = key, True, False, []
             self._drop_held(key, inclusive=False)
