@@ -11,6 +11,7 @@ compare hashes of their parameters.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -201,10 +202,8 @@ class Endpoint:
             self._closed = True
             held, self._held = list(self._held.values()), {}
         self.abort()
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() at once on Linux
-        except OSError:
-            pass
         self._acceptor.join()
         self._listener.close()
         for conn in held:
@@ -242,10 +241,8 @@ class Endpoint:
     def _shutdown_round(self) -> None:
         with self._cond:
             for sock in self._socks:
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def _error(self, peer: Member, key: tuple[int, int], doing: str, exc: BaseException | str):
         if self._aborted:
@@ -333,14 +330,12 @@ class Endpoint:
             header = _pack_header(self._job, key, self.replica_id, peer.replica_id)
             sock.sendall(header)
             self.bytes_sent += len(header)
-            reply = bytearray(1 + _LEN.size)
-            _recv_exact(sock, memoryview(reply)[:1], deadline)
-            if reply[:1] == b"A":
+            sock.settimeout(_remaining(deadline))
+            reply = sock.recv(4097)  # b"A", or b"R" and why, and the peer closes
+            if reply == b"A":
                 return sock
-            _recv_exact(sock, memoryview(reply)[1:], deadline)
-            reason = bytearray(min(_LEN.unpack(reply[1:])[0], 4096))
-            _recv_exact(sock, memoryview(reason), deadline)
-            cause = f"refused by the peer: {reason.decode(errors='replace')}"
+            why = reply[1:].decode(errors="replace") if reply[:1] == b"R" else f"reply {reply!r}"
+            cause = f"refused by the peer: {why}"
         except OSError as e:
             raise self._error(peer, key, "sending the header", e) from e
         raise self._error(peer, key, "handshake", cause)
@@ -435,11 +430,8 @@ class Endpoint:
             return
         with self._cond:
             self._refused.append(f"{addr[0]}:{addr[1]}: {reason}")
-        try:
-            msg = reason.encode()[:4096]
-            conn.sendall(b"R" + _LEN.pack(len(msg)) + msg)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            conn.sendall(b"R" + reason.encode()[:4096])
         conn.close()
 
     def _admit(self, conn, job: bytes, key: tuple[int, int], sender: int, receiver: int):
