@@ -43,6 +43,8 @@ class ExchangeAborted(RuntimeError):
 
 
 class Member(NamedTuple):
+    """One member of a round: its replica id (unique within the job) and where it listens."""
+
     replica_id: int
     host: str
     port: int
