@@ -1,0 +1,408 @@
+"""Fault-tolerant replica groups in one process: the lighthouse, rounds, healing, the trainers.
+
+Each replica group is a thread with its own :class:`jaxcomm.ft.Replica`, so
+the lighthouse, the host exchange and the state transfer run over real
+loopback sockets. A group "dies" by closing its replica (its sockets close and
+its heartbeats stop). Processes killed for real: tests/test_ft_faults.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxcomm import ft
+from jaxcomm.ft import _messages
+
+JOB = "test-job"
+HEARTBEAT = 0.5
+
+
+@pytest.fixture
+def lighthouse():
+    with ft.Lighthouse(JOB, heartbeat_timeout=HEARTBEAT, quorum_timeout=5.0) as lh:
+        yield lh
+
+
+def _address(lh):
+    host, port = lh.address
+    return f"{host}:{port}"
+
+
+def _replicas(lh, n, **kw):
+    """n replicas, each known to the lighthouse (a first heartbeat in) before the test's rounds."""
+    kw.setdefault("timeout", 5.0)
+    replicas = [ft.Replica(_address(lh), replica_id=i, job_id=JOB, **kw) for i in range(n)]
+    deadline = time.monotonic() + 5
+    while len(lh._seen) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return replicas
+
+
+def _in_threads(fns):
+    """Runs each function in a thread; their results in order, or the first error raised."""
+    out, errors = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - handed to the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a replica thread hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _close(replicas):
+    for r in replicas:
+        r.close()
+
+
+# -- the lighthouse ---------------------------------------------------------
+
+
+def _ask(lh, rid, round_=0, job=JOB, epoch_seen=0, timeout=3.0):
+    message = {
+        "op": "quorum",
+        "job_id": job,
+        "replica_id": rid,
+        "address": ["127.0.0.1", 1],
+        "state_address": ["127.0.0.1", 2],
+        "committed_round": round_,
+        "state_hash": "h",
+        "size": 4,
+        "epoch_seen": epoch_seen,
+        "timeout": timeout,
+    }
+    return _messages.request(lh.address, message, timeout=timeout + 2)
+
+
+def _beat(lh, rid, job=JOB):
+    return _messages.request(
+        lh.address, {"op": "heartbeat", "job_id": job, "replica_id": rid}, timeout=2
+    )
+
+
+def test_quorum_waits_for_a_live_group_and_leaves_a_silent_one_out(lighthouse):
+    for rid in (0, 1, 2):
+        _beat(lighthouse, rid)
+    start = time.monotonic()
+
+    def late():  # alive (heartbeats) but slow to ask: waited for
+        for _ in range(4):
+            _beat(lighthouse, 2)
+            time.sleep(0.2)
+        return _ask(lighthouse, 2, round_=3)
+
+    replies = _in_threads(
+        [lambda: _ask(lighthouse, 0, round_=3), lambda: _ask(lighthouse, 1, round_=3), late]
+    )
+    assert time.monotonic() - start >= 0.7
+    assert [m["replica_id"] for m in replies[0]["members"]] == [0, 1, 2]
+    assert replies[0] == replies[1] == replies[2]
+    # Now 2 stops sending heartbeats: the next quorum forms without it once it is HEARTBEAT silent.
+    start = time.monotonic()
+    replies = _in_threads(
+        [lambda: _ask(lighthouse, 0, round_=4), lambda: _ask(lighthouse, 1, round_=4)]
+    )
+    assert [m["replica_id"] for m in replies[0]["members"]] == [0, 1]
+    assert replies[0]["epoch"] > 0 and time.monotonic() - start < HEARTBEAT + 1.0
+
+
+def test_another_job_is_refused_never_merged(lighthouse):
+    reply = _beat(lighthouse, 7, job="other-job")
+    assert "refused" in reply["error"] and "other-job" in lighthouse.refused[0]
+    reply = _ask(lighthouse, 7, job="other-job")
+    assert "error" in reply
+    assert [m["replica_id"] for m in _ask(lighthouse, 0, round_=2)["members"]] == [0]
+
+
+def test_a_restarted_lighthouse_numbers_epochs_above_those_seen(lighthouse):
+    first = _ask(lighthouse, 0, round_=1)["epoch"]
+    with ft.Lighthouse(JOB, heartbeat_timeout=HEARTBEAT) as fresh:
+        reply = _ask(fresh, 0, round_=1, epoch_seen=first + 40)
+    assert reply["epoch"] == first + 41
+
+
+def test_the_vote_commits_only_when_every_member_says_yes(lighthouse):
+    def vote(rid, epoch, ok, timeout=2.0):
+        message = {
+            "op": "vote",
+            "job_id": JOB,
+            "replica_id": rid,
+            "epoch": epoch,
+            "ok": ok,
+            "timeout": timeout,
+        }
+        return _messages.request(lighthouse.address, message, timeout=timeout + 2)
+
+    def quorum():
+        return _in_threads(
+            [lambda: _ask(lighthouse, 0, round_=1), lambda: _ask(lighthouse, 1, round_=1)]
+        )[0]["epoch"]
+
+    e = quorum()
+    assert [
+        r["commit"] for r in _in_threads([lambda: vote(0, e, True), lambda: vote(1, e, True)])
+    ] == [True, True]
+    e = quorum()
+    assert [
+        r["commit"] for r in _in_threads([lambda: vote(0, e, True), lambda: vote(1, e, False)])
+    ] == [False, False]
+    e = quorum()
+    start = time.monotonic()
+    reply = vote(0, e, True, timeout=0.5)  # member 1 never votes
+    assert reply["commit"] is False and reply["missing"] == [1] and time.monotonic() - start < 1.5
+    assert vote(1, e, True)["commit"] is False  # the decision is final
+    assert vote(0, e + 100, True)["commit"] is False  # an epoch this lighthouse never formed
+
+
+# -- rounds ---------------------------------------------------------------------
+
+
+def _commit_all(replicas, arrays):
+    for r, a in zip(replicas, arrays, strict=True):
+        r.commit(ft.Snapshot(0, (np.asarray(a, np.float32),)))
+
+
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_sync_averages_over_the_members_that_contribute(lighthouse, wire):
+    replicas = _replicas(lighthouse, 3)
+    try:
+        _commit_all(replicas, [np.zeros(3)] * 3)
+        rng = np.random.default_rng(0)
+        xs = [rng.normal(size=1001).astype(np.float32) for _ in range(3)]
+        rounds = _in_threads(
+            [
+                lambda i=i: replicas[i].sync(xs[i], contributes=i != 1, wire_dtype=wire)
+                for i in range(3)
+            ]
+        )
+        reference = (xs[0].astype(np.float64) + xs[2]) / 2
+        for r in rounds:
+            assert (
+                r.committed and r.contributors == 2 and r.members == (0, 1, 2) and r.healed is None
+            )
+            assert np.array_equal(r.mean.view(np.uint32), rounds[0].mean.view(np.uint32))
+        tol = 1e-6 if wire is None else 2e-2
+        np.testing.assert_allclose(rounds[0].mean, reference, rtol=tol, atol=tol)
+        assert [r.shard() for r in replicas] == [(0, 3), (1, 3), (2, 3)]
+    finally:
+        _close(replicas)
+
+
+def test_a_group_behind_heals_from_a_peer_and_sends_weight_zero(lighthouse):
+    replicas = _replicas(lighthouse, 3)
+    try:
+        good = ft.Snapshot(
+            5, (np.arange(4, dtype=np.float32),), (np.ones(2, np.float32),), {"tokens": 9}
+        )
+        replicas[0].commit(good)
+        replicas[1].commit(good)
+        replicas[2].commit(
+            ft.Snapshot(2, (np.zeros(4, np.float32),))
+        )  # a group that returns, behind
+        xs = [np.full(6, 1.0 + i, np.float32) for i in range(3)]
+        rounds = _in_threads([lambda i=i: replicas[i].sync(xs[i]) for i in range(3)])
+        assert [r.committed for r in rounds] == [True] * 3
+        assert rounds[2].healed is not None and rounds[0].healed is None
+        healed = rounds[2].healed
+        assert healed.round == 5 and healed.meta == {"tokens": 9} and healed.hash() == good.hash()
+        np.testing.assert_array_equal(healed.private[0], good.private[0])
+        assert replicas[2].state_hash == replicas[0].state_hash
+        np.testing.assert_array_equal(rounds[2].mean, np.full(6, 1.5, np.float32))  # (1 + 2) / 2
+    finally:
+        _close(replicas)
+
+
+def test_a_peer_serving_a_forged_state_is_not_loaded(lighthouse, monkeypatch):
+    replicas = _replicas(lighthouse, 2)
+    try:
+        good = ft.Snapshot(3, (np.arange(4, dtype=np.float32),))
+        replicas[0].commit(good)
+        replicas[1].commit(ft.Snapshot(1, (np.zeros(4, np.float32),)))
+        forged = good._replace(shared=(np.arange(4, dtype=np.float32) + 1,))
+        monkeypatch.setattr(
+            replicas[0], "committed", forged
+        )  # serves bytes that do not match its reported hash
+        rounds = _in_threads(
+            [lambda i=i: replicas[i].sync(np.ones(3, np.float32)) for i in range(2)]
+        )
+        assert [r.committed for r in rounds] == [False, False]
+        assert (
+            rounds[1].healed is None
+            and "healing failed" in rounds[1].reason
+            and "hashes to" in rounds[1].reason
+        )
+        assert replicas[1].committed.round == 1
+    finally:
+        _close(replicas)
+
+
+def test_a_member_that_dies_in_the_exchange_aborts_the_round_everywhere(lighthouse):
+    replicas = _replicas(lighthouse, 3, timeout=3.0)
+    try:
+        _commit_all(replicas, [np.zeros(2)] * 3)
+
+        def dies(phase, round_):
+            if phase == "exchange":
+                replicas[2].endpoint.close()  # its connections go; it fails too
+
+        replicas[2]._on_phase = dies
+        start = time.monotonic()
+        rounds = _in_threads(
+            [lambda i=i: replicas[i].sync(np.ones(50, np.float32)) for i in range(3)]
+        )
+        assert [r.committed for r in rounds] == [False] * 3
+        assert all(r.mean is None and r.reason for r in rounds)
+        assert time.monotonic() - start < 3.0 + 2.0
+        replicas[2].close()
+        time.sleep(HEARTBEAT + 0.2)
+        rounds = _in_threads(
+            [lambda i=i: replicas[i].sync(np.full(50, i, np.float32)) for i in range(2)]
+        )
+        assert [r.members for r in rounds] == [(0, 1)] * 2 and all(r.committed for r in rounds)
+        np.testing.assert_array_equal(rounds[0].mean, np.full(50, 0.5, np.float32))
+    finally:
+        _close(replicas)
+
+
+def test_contributions_of_different_lengths_abort_with_the_reason(lighthouse):
+    replicas = _replicas(lighthouse, 2)
+    try:
+        _commit_all(replicas, [np.zeros(2)] * 2)
+        rounds = _in_threads(
+            [lambda i=i: replicas[i].sync(np.ones(4 + i, np.float32)) for i in range(2)]
+        )
+        assert [r.committed for r in rounds] == [False, False]
+        assert "differ in length" in rounds[0].reason and "[4, 5]" in rounds[0].reason
+    finally:
+        _close(replicas)
+
+
+def test_bad_input_is_refused_in_jaxcomms_words(lighthouse, monkeypatch):
+    (replica,) = _replicas(lighthouse, 1)
+    try:
+        with pytest.raises(RuntimeError, match="before Replica.commit"):
+            replica.sync(np.ones(3, np.float32))
+        replica.commit(ft.Snapshot(0, ()))
+        with pytest.raises(ValueError, match="1-D float32"):
+            replica.sync(np.ones(3, np.float64))
+        with pytest.raises(ValueError, match="wire_dtype='int8'"):
+            ft.DataParallel(replica, lambda p, b: 0.0, optax.sgd(0.1), wire_dtype="int8")
+        with pytest.raises(TypeError, match="jaxcomm.ft.Replica"):
+            ft.DataParallel("127.0.0.1:1", lambda p, b: 0.0, optax.sgd(0.1))
+        with pytest.raises(ValueError, match="sync_every=0"):
+            ft.DiLoCo(replica, lambda p, b: 0.0, optax.sgd(0.1), optax.sgd(1.0), sync_every=0)
+    finally:
+        replica.close()
+    for name in ("JAXCOMM_FT_LIGHTHOUSE", "JAXCOMM_FT_REPLICA_ID", "JAXCOMM_FT_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="JAXCOMM_FT_LIGHTHOUSE.*jaxcomm.launch --replicas"):
+        ft.Replica.from_env()
+    with pytest.raises(ValueError, match="not host:port"):
+        ft.Replica("localhost", replica_id=0, job_id=JOB)
+
+
+# -- the trainers, against NumPy ---------------------------------------------------
+
+X = np.random.default_rng(1).normal(size=(24, 5))
+Y = X @ np.arange(1.0, 6.0)
+
+
+def _loss(p, batch):
+    x, y = batch
+    return jnp.mean((x @ p["w"] - y) ** 2)
+
+
+def _grad64(w, x, y):
+    return 2 * x.T @ (x @ w - y) / len(y)
+
+
+def _batch(round_, step, index, count):
+    rows = np.random.default_rng([round_, step, index, count]).choice(len(Y), 6, replace=False)
+    return X[rows], Y[rows]
+
+
+def _train(trainer, rounds, *, die_at=None):
+    state = trainer.start({"w": jnp.zeros(5, jnp.float32)})
+    while state.round < rounds:
+        if die_at is not None and state.round == die_at:
+            trainer.replica.close()
+            return state
+        index, count = trainer.shard()
+        x, y = _batch(state.round, state.step, index, count)
+        state, _ = trainer.step(state, (x.astype(np.float32), y.astype(np.float32)))
+    return state
+
+
+def test_diloco_matches_numpy_and_every_group_holds_the_same_bits(lighthouse):
+    replicas = _replicas(lighthouse, 3)
+    lr, h, rounds = 0.02, 4, 3
+    try:
+        trainers = [
+            ft.DiLoCo(r, _loss, optax.sgd(lr), optax.sgd(1.0), sync_every=h) for r in replicas
+        ]
+        states = _in_threads([lambda t=t: _train(t, rounds) for t in trainers])
+    finally:
+        _close(replicas)
+    w = np.zeros(5)
+    for r in range(
+        rounds
+    ):  # outer SGD(1.0) on the mean pseudo-gradient = the mean of the local params
+        local = []
+        for i in range(3):
+            v = w.copy()
+            for s in range(h):
+                v -= lr * _grad64(v, *_batch(r, s, i, 3))
+            local.append(v)
+        w = np.mean(local, axis=0)
+    for s in states:
+        assert s.round == rounds
+        np.testing.assert_allclose(np.asarray(s.params["w"]), w, rtol=1e-5)
+        assert np.array_equal(np.asarray(s.params["w"]), np.asarray(states[0].params["w"]))
+    hashes = {t.log[-1].state_hash for t in trainers}
+    assert len(hashes) == 1 and [e.committed for e in trainers[0].log] == [True] * (rounds + 1)
+
+
+def test_data_parallel_after_a_death_loses_only_the_aborted_step(lighthouse):
+    replicas = _replicas(lighthouse, 3, timeout=2.0)
+    lr, steps, die = 0.05, 6, 3
+    try:
+        trainers = [ft.DataParallel(r, _loss, optax.sgd(lr)) for r in replicas]
+        states = _in_threads(
+            [
+                lambda: _train(trainers[0], steps),
+                lambda: _train(trainers[1], steps),
+                lambda: _train(trainers[2], steps, die_at=die),
+            ]
+        )
+    finally:
+        _close(replicas)
+    w, aborted = np.zeros(5), 0
+    for r in range(steps):
+        # A step's batch is chosen before its quorum, from the last one's: the round the group
+        # died in still draws thirds, of which only two arrive.
+        count = 3 if r <= die else 2
+        w -= lr * np.mean(
+            [_grad64(w, *_batch(r, 0, i, count)) for i in range(2 if r >= die else 3)], axis=0
+        )
+    for s in states[:2]:
+        assert s.round == steps
+        np.testing.assert_allclose(np.asarray(s.params["w"]), w, rtol=1e-5)
+    log = trainers[0].log
+    aborted = [e for e in log if not e.committed]
+    assert len(aborted) <= 1 and len(log) == 1 + steps + len(aborted)
+    assert [e.members for e in log if e.committed][-1] == (0, 1)
