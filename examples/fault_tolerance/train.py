@@ -1,0 +1,152 @@
+"""examples/lm's byte transformer, trained by replica groups that may fail.
+
+Run it under the launcher, which starts the lighthouse and the groups and
+restarts a group that dies::
+
+    python -m jaxcomm.launch --replicas 4 examples/fault_tolerance/train.py --rounds 30
+
+Each group is one process with one CPU device. ``--mode diloco`` (default):
+AdamW inner steps, a Nesterov outer step every ``--sync-every`` over the
+groups of that round's quorum. ``--mode dp``: every step a round, the gradient
+averaged over the groups in bfloat16. Kill a group (``kill -9``) and watch the
+others go on and the launcher's replacement heal from them: docs/fault_tolerance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lm"))
+
+import data  # noqa: E402  (examples/lm)
+import jax  # noqa: E402
+import model  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxcomm import ft  # noqa: E402
+from jaxcomm.ft import faults  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("diloco", "dp"), default="diloco")
+    p.add_argument("--rounds", type=int, default=30, help="committed rounds to train")
+    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
+    p.add_argument("--batch", type=int, default=8, help="windows of 65 bytes per group and step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument(
+        "--wire",
+        default=None,
+        help="float32 (default for diloco), bfloat16 (default for dp), float16",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=ft.replica.TIMEOUT_S, help="seconds a round may take"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="rounds between validation losses (group 0 of the quorum)",
+    )
+    p.add_argument("--log", default=None, help="append one JSON line per round to this file")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    args.wire = {None: "bfloat16" if args.mode == "dp" else None, "float32": None}.get(
+        args.wire, args.wire
+    )
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    inject = faults.from_env() or (lambda phase, round_: None)
+    replica = ft.Replica.from_env(timeout=args.timeout, on_phase=inject)
+    corpus = data.load_corpus()
+    net = model.ByteTransformer(rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(net, nnx.Param)
+
+    def loss_fn(params, windows):
+        logits = nnx.merge(graphdef, params)(windows[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+    if args.mode == "diloco":
+        outer = optax.sgd(args.outer_lr, momentum=0.9, nesterov=True)
+        trainer = ft.DiLoCo(
+            replica,
+            loss_fn,
+            optax.adamw(args.lr),
+            outer,
+            sync_every=args.sync_every,
+            wire_dtype=args.wire,
+        )
+    else:
+        trainer = ft.DataParallel(replica, loss_fn, optax.adamw(args.lr), wire_dtype=args.wire)
+    steps_per_round = args.sync_every if args.mode == "diloco" else 1
+    val = data.fixed_windows(corpus.val, 256, 65)
+    evaluate = jax.jit(loss_fn)
+    state = trainer.start(params)
+    logged = 0
+    while state.round < args.rounds:
+        index, count = trainer.shard()
+        # The data follows the quorum: the windows depend on the round, the step
+        # and this group's place in the last quorum.
+        rng = np.random.default_rng([args.seed, state.round, state.step, index, count])
+        if args.mode == "diloco" and state.step == steps_per_round // 2:
+            inject("inner", state.round + 1)
+        state, loss = trainer.step(state, data.sample_windows(corpus.train, args.batch, 65, rng))
+        for entry in trainer.log[logged:]:
+            _log(args, replica, entry, float(loss))
+            if (
+                args.eval_every
+                and entry.committed
+                and entry.round % args.eval_every == 0
+                and trainer.shard()[0] == 0
+            ):
+                _log(
+                    args,
+                    replica,
+                    None,
+                    float(evaluate(state.params, val)),
+                    key="eval_loss",
+                    round=entry.round,
+                )
+        logged = len(trainer.log)
+    final = float(evaluate(state.params, val))
+    print(
+        f"replica {replica.replica_id}: {state.round} rounds committed, "
+        f"validation loss {final:.4f}",
+        flush=True,
+    )
+    _log(args, replica, None, final, key="final_loss", round=state.round)
+    replica.close()
+    return 0
+
+
+def _log(args, replica, entry, loss, *, key=None, round=None):
+    line = {
+        "replica": replica.replica_id,
+        "incarnation": int(os.environ.get("JAXCOMM_FT_INCARNATION", 0)),
+    }
+    if entry is None:
+        line.update({key: loss, "round": round, "time": time.time()})
+    else:
+        line.update(entry._asdict(), train_loss=loss)
+        if not entry.committed:
+            print(f"round {entry.round + 1} aborted: {entry.reason}", flush=True)
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
