@@ -259,7 +259,8 @@ def analyse(result: dict, args) -> dict:
     mismatched = sorted(r for r, es in by_round.items() if len({e["state_hash"] for e in es}) > 1)
     hashes_equal = not mismatched
     rounds_committed = sorted(committed)
-    times = sorted(e["time"] for e in entries if e["committed"] and e["round"] > 0)
+    # A round's time: when its first member logged it.
+    times = sorted(min(e["time"] for e in es) for r, es in by_round.items() if r > 0)
     first = min((e["time"] for e in entries if e["committed"] and e["round"] == 1), default=None)
     last = max((e["time"] for e in entries if e["committed"]), default=None)
     durations = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
