@@ -336,7 +336,7 @@ def _batch(round_, step, index, count):
     return X[rows], Y[rows]
 
 
-def _train(trainer, rounds, *, die_at=None):
+def _train(trainer, rounds, *, die_at=None, pause=0.0):
     state = trainer.start({"w": jnp.zeros(5, jnp.float32)})
     while state.round < rounds:
         if die_at is not None and state.round == die_at:
@@ -345,6 +345,7 @@ def _train(trainer, rounds, *, die_at=None):
         index, count = trainer.shard()
         x, y = _batch(state.round, state.step, index, count)
         state, _ = trainer.step(state, (x.astype(np.float32), y.astype(np.float32)))
+        time.sleep(pause)
     return state
 
 
@@ -406,3 +407,57 @@ def test_data_parallel_after_a_death_loses_only_the_aborted_step(lighthouse):
     aborted = [e for e in log if not e.committed]
     assert len(aborted) <= 1 and len(log) == 1 + steps + len(aborted)
     assert [e.members for e in log if e.committed][-1] == (0, 1)
+
+
+def test_a_snapshot_survives_the_wire_with_its_shapes_dtypes_and_bits():
+    import ml_dtypes
+
+    shared = (
+        np.array(3, np.int32),  # an optimizer's step count: 0-d must stay 0-d
+        np.arange(12, dtype=np.float32).reshape(3, 4).T,  # not contiguous
+        np.zeros((0, 5), np.float32),
+        np.array([True, False]),
+        np.linspace(-1, 1, 7).astype(ml_dtypes.bfloat16),
+    )
+    snap = ft.Snapshot(4, shared, (np.ones((2, 2), np.float64),), {"tokens": 5})
+    header, body = snap.encode()
+    back = ft.Snapshot.decode(header, body)
+    assert back.round == 4 and back.meta == {"tokens": 5} and back.hash() == snap.hash()
+    for a, b in zip(snap.shared + snap.private, back.shared + back.private, strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and a.tobytes() == b.tobytes()
+    other = ft.Snapshot(4, (np.array([3], np.int32), *shared[1:]))
+    assert other.hash() != snap.hash()  # shape (1,) is not shape ()
+    tampered = bytearray(body)
+    tampered[5] ^= 1
+    with pytest.raises(ValueError, match="hashes to"):
+        ft.Snapshot.decode(header, bytes(tampered))
+
+
+def test_a_group_that_joins_late_heals_into_the_same_bits_with_adamw(lighthouse):
+    replicas = _replicas(lighthouse, 1)
+    trainers = {}
+
+    def group(i, steps):
+        replica = (
+            replicas[0] if i == 0 else ft.Replica(_address(lighthouse), replica_id=i, job_id=JOB)
+        )
+        replicas.append(replica) if i else None
+        trainers[i] = ft.DataParallel(replica, _loss, optax.adamw(0.05), wire_dtype="bfloat16")
+        state = _train(trainers[i], steps, pause=0.02)
+        replica.close()  # done: the other group's quorums stop waiting for it
+        return state
+
+    def late():
+        time.sleep(0.5)  # group 0 has committed steps by then; the joiner heals from it
+        return group(1, 40)
+
+    try:
+        states = _in_threads([lambda: group(0, 40), late])
+    finally:
+        _close(replicas)
+    healed = [e for e in trainers[1].log if e.healed]
+    assert healed and healed[0].round > 1
+    hashes = [{e.round: e.state_hash for e in trainers[i].log if e.committed} for i in (0, 1)]
+    shared = sorted(set(hashes[0]) & set(hashes[1]))
+    assert shared and all(hashes[0][r] == hashes[1][r] for r in shared)
+    assert np.array_equal(np.asarray(states[0].params["w"]), np.asarray(states[1].params["w"]))

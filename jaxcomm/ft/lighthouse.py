@@ -131,6 +131,11 @@ class Lighthouse:
             self._cond.notify_all()
         if op == "heartbeat":
             return {"ok": True}
+        if op == "leave":  # a group that is done: the next quorum does not wait for it
+            with self._cond:
+                self._seen.pop(rid, None)
+                self._cond.notify_all()
+            return {"ok": True}
         if op == "quorum":
             return self._quorum(rid, message)
         if op == "vote":

@@ -144,7 +144,16 @@ class Replica:
         )
 
     def close(self) -> None:
+        """Leaves the job: stops the heartbeats, tells the lighthouse, closes the sockets."""
+        if self._closed.is_set():
+            return
         self._closed.set()
+        self._heartbeats.join(timeout=2.0)
+        message = {"op": "leave", "job_id": self.job_id, "replica_id": self.replica_id}
+        try:
+            _messages.request(self.lighthouse, message, timeout=1.0)
+        except _messages.Unreachable:
+            pass  # the lighthouse is gone or restarting; the heartbeat timeout does the same
         self.endpoint.close()
         self._state_server.shutdown()
         self._state_server.server_close()

@@ -13,6 +13,7 @@ import hashlib
 import json
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 
@@ -32,23 +33,24 @@ class Snapshot(NamedTuple):
     meta: dict = {}
 
     def hash(self) -> str:
-        """SHA-256 of the round and the shared arrays' dtypes, shapes and bytes."""
+        """SHA-256 of the round and the shared arrays' dtype names, shapes and bytes."""
         h = hashlib.sha256(str(int(self.round)).encode())
         for a in self.shared:
-            a = np.ascontiguousarray(a)
-            h.update(f"{a.dtype.str}{a.shape}".encode())
-            h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+            a = np.asarray(a)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
+            h.update(f"{a.dtype.name}{a.shape}".encode())
+            h.update(a.tobytes())
         return h.hexdigest()[:32]
 
     def encode(self) -> tuple[dict, bytes]:
         """(header, body): the arrays' layout as JSON and their bytes, for the wire."""
-        arrays = [np.ascontiguousarray(a) for a in (*self.shared, *self.private)]
+        arrays = [np.asarray(a) for a in (*self.shared, *self.private)]
         header = {
             "round": int(self.round),
             "hash": self.hash(),
             "meta": self.meta,
             "n_shared": len(self.shared),
-            "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
+            # Names, not dtype.str: ml_dtypes' bfloat16 and float8 types have the str "<V2"/"<V1".
+            "arrays": [[a.dtype.name, list(a.shape)] for a in arrays],
         }
         body = b"".join(a.tobytes() for a in arrays)
         header["nbytes"] = len(body)
@@ -58,10 +60,12 @@ class Snapshot(NamedTuple):
     def decode(header: dict, body) -> Snapshot:
         """The inverse of :meth:`encode`; ValueError if the body does not match its hash."""
         arrays, offset = [], 0
-        for dtype, shape in header["arrays"]:
-            dtype = np.dtype(dtype)
+        for name, shape in header["arrays"]:
+            dtype = np.dtype(getattr(ml_dtypes, name, name))
             n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            arrays.append(np.frombuffer(bytes(body[offset : offset + n]), dtype).reshape(shape))
+            arrays.append(
+                np.frombuffer(bytes(body[offset : offset + n]), dtype).reshape(tuple(shape))
+            )
             offset += n
         if offset != len(body):
             raise ValueError(f"state body has {len(body)} bytes, its header describes {offset}")
