@@ -461,3 +461,17 @@ def test_a_group_that_joins_late_heals_into_the_same_bits_with_adamw(lighthouse)
     shared = sorted(set(hashes[0]) & set(hashes[1]))
     assert shared and all(hashes[0][r] == hashes[1][r] for r in shared)
     assert np.array_equal(np.asarray(states[0].params["w"]), np.asarray(states[1].params["w"]))
+
+
+def test_a_group_back_after_the_job_finished_is_told_so_instead_of_training_alone(lighthouse):
+    replicas = _replicas(lighthouse, 2)
+    try:
+        replicas[0].commit(ft.Snapshot(5, (np.ones(2, np.float32),)))
+        replicas[1].commit(ft.Snapshot(3, (np.zeros(2, np.float32),)))  # stopped, then woken up
+        replicas[0].close(finished=True)
+        with pytest.raises(ft.JobFinished, match="finished at round 5.*holds round 3"):
+            replicas[1].sync(np.ones(4, np.float32))
+        replicas[1].committed = ft.Snapshot(5, (np.ones(2, np.float32),))
+        assert replicas[1].sync(np.ones(4, np.float32)).committed  # one that holds it goes on
+    finally:
+        _close(replicas)

@@ -91,36 +91,16 @@ def main(argv=None) -> int:
         )
     else:
         trainer = ft.DataParallel(replica, loss_fn, optax.adamw(args.lr), wire_dtype=args.wire)
-    steps_per_round = args.sync_every if args.mode == "diloco" else 1
     val = data.fixed_windows(corpus.val, 256, 65)
     evaluate = jax.jit(loss_fn)
-    state = trainer.start(params)
-    logged = 0
-    while state.round < args.rounds:
-        index, count = trainer.shard()
-        # The data follows the quorum: the windows depend on the round, the step
-        # and this group's place in the last quorum.
-        rng = np.random.default_rng([args.seed, state.round, state.step, index, count])
-        if args.mode == "diloco" and state.step == steps_per_round // 2:
-            inject("inner", state.round + 1)
-        state, loss = trainer.step(state, data.sample_windows(corpus.train, args.batch, 65, rng))
-        for entry in trainer.log[logged:]:
-            _log(args, replica, entry, float(loss))
-            if (
-                args.eval_every
-                and entry.committed
-                and entry.round % args.eval_every == 0
-                and trainer.shard()[0] == 0
-            ):
-                _log(
-                    args,
-                    replica,
-                    None,
-                    float(evaluate(state.params, val)),
-                    key="eval_loss",
-                    round=entry.round,
-                )
-        logged = len(trainer.log)
+    try:
+        state = train(
+            args, trainer, replica, corpus, inject, lambda p: float(evaluate(p, val)), params
+        )
+    except ft.JobFinished as e:  # stopped or cut off while the others finished
+        print(f"replica {replica.replica_id}: {e}", flush=True)
+        replica.close()
+        return 0
     final = float(evaluate(state.params, val))
     print(
         f"replica {replica.replica_id}: {state.round} rounds committed, "
@@ -128,8 +108,30 @@ def main(argv=None) -> int:
         flush=True,
     )
     _log(args, replica, None, final, key="final_loss", round=state.round)
-    replica.close()
+    replica.close(finished=True)
     return 0
+
+
+def train(args, trainer, replica, corpus, inject, evaluate, params):
+    """The training loop: until ``args.rounds`` rounds are committed."""
+    state = trainer.start(params)
+    logged = 0
+    while state.round < args.rounds:
+        index, count = trainer.shard()
+        # The data follows the quorum: the windows depend on the round, the step
+        # and this group's place in the last quorum.
+        rng = np.random.default_rng([args.seed, state.round, state.step, index, count])
+        if args.mode == "diloco" and state.step == args.sync_every // 2:
+            inject("inner", state.round + 1)
+        state, loss = trainer.step(state, data.sample_windows(corpus.train, args.batch, 65, rng))
+        for entry in trainer.log[logged:]:
+            _log(args, replica, entry, float(loss))
+            first = trainer.shard()[0] == 0
+            if args.eval_every and entry.committed and entry.round % args.eval_every == 0 and first:
+                loss = evaluate(state.params)
+                _log(args, replica, None, loss, key="eval_loss", round=entry.round)
+        logged = len(trainer.log)
+    return state
 
 
 def _log(args, replica, entry, loss, *, key=None, round=None):

@@ -12,13 +12,14 @@ from jaxcomm.ft._trainer import ReplicaState, RoundLog
 from jaxcomm.ft.data_parallel import DataParallel
 from jaxcomm.ft.diloco import DiLoCo
 from jaxcomm.ft.exchange import ExchangeAborted
-from jaxcomm.ft.replica import Replica, Round
+from jaxcomm.ft.replica import JobFinished, Replica, Round
 from jaxcomm.ft.snapshot import Snapshot
 
 __all__ = [
     "DataParallel",
     "DiLoCo",
     "ExchangeAborted",
+    "JobFinished",
     "Lighthouse",
     "Replica",
     "ReplicaState",

@@ -77,6 +77,7 @@ class Lighthouse:
         self._members: dict[int, list[int]] = {}  # epoch -> member ids
         self._votes: dict[int, dict[int, bool]] = {}
         self._decided: dict[int, bool] = {}
+        self._finished = None  # the round at which a group finished the job
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -134,6 +135,8 @@ class Lighthouse:
         if op == "leave":  # a group that is done: the next quorum does not wait for it
             with self._cond:
                 self._seen.pop(rid, None)
+                if message.get("finished"):
+                    self._finished = max(self._finished or 0, int(message["committed_round"]))
                 self._cond.notify_all()
             return {"ok": True}
         if op == "quorum":
@@ -151,6 +154,9 @@ class Lighthouse:
         timeout = float(message.get("timeout", self.quorum_timeout + 5))
         deadline = time.monotonic() + timeout
         with self._cond:
+            if self._finished is not None and int(message["committed_round"]) < self._finished:
+                # The job ended while this group was away: going on alone would fork its history.
+                return {"finished": self._finished}
             self._formed.pop(rid, None)
             self._asking[rid] = message
             if self._first_ask is None:

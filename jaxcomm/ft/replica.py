@@ -37,6 +37,10 @@ TIMEOUT_S = 10.0
 HEARTBEAT_INTERVAL_S = 0.25
 
 
+class JobFinished(RuntimeError):
+    """The job finished (a group left it done) at a round this group does not hold."""
+
+
 class Round(NamedTuple):
     """What one round did on this member.
 
@@ -143,13 +147,21 @@ class Replica:
             **kwargs,
         )
 
-    def close(self) -> None:
-        """Leaves the job: stops the heartbeats, tells the lighthouse, closes the sockets."""
+    def close(self, *, finished: bool = False) -> None:
+        """Leaves the job: stops the heartbeats, tells the lighthouse, closes the sockets.
+
+        Args:
+          finished: this group reached the end of training. A group that comes
+            back later, behind this group's committed round, then gets
+            :class:`JobFinished` instead of training on alone.
+        """
         if self._closed.is_set():
             return
         self._closed.set()
         self._heartbeats.join(timeout=2.0)
         message = {"op": "leave", "job_id": self.job_id, "replica_id": self.replica_id}
+        message["finished"] = bool(finished)
+        message["committed_round"] = -1 if self.committed is None else int(self.committed.round)
         try:
             _messages.request(self.lighthouse, message, timeout=1.0)
         except _messages.Unreachable:
@@ -193,6 +205,9 @@ class Replica:
 
         Returns:
           A :class:`Round`. Never raises for a failed peer: that is an aborted round.
+
+        Raises:
+          JobFinished: the job ended at a round this group does not hold.
         """
         if self.committed is None:
             raise RuntimeError(
@@ -284,6 +299,12 @@ class Replica:
             if "error" in reply:
                 raise RuntimeError(
                     f"lighthouse {self.lighthouse[0]}:{self.lighthouse[1]}: {reply['error']}"
+                )
+            if "finished" in reply:
+                raise JobFinished(
+                    f"the job finished at round {reply['finished']} while replica group "
+                    f"{self.replica_id} was away (it holds round {self.committed.round}); "
+                    "nothing is left to train"
                 )
             for m in reply["members"]:
                 m.setdefault("size", size)
