@@ -81,8 +81,9 @@ class Scheduler:
     """Adds a fault every ``fault_every`` rounds while the run goes, for a group it sees alive.
 
     A static plan would aim at groups that are down or being restarted by then;
-    this one reads the run's log and writes the next fault two rounds ahead,
-    for a group that committed the latest round, in its current incarnation.
+    this one reads the run's log and writes the next fault two rounds ahead
+    (eight for per-step rounds), for a group that committed the latest round,
+    in its current incarnation.
     """
 
     def __init__(self, args, plan_path: str):
@@ -99,7 +100,9 @@ class Scheduler:
 
     def update(self, latest: dict[int, dict], done: int) -> None:
         args = self.args
-        if self.next_round >= args.rounds - 1 or done < self.next_round - 2:
+        # Per-step rounds go by faster than this harness looks at the log: aim further ahead.
+        lead = 2 if args.mode == "diloco" else 8
+        if self.next_round >= args.rounds - 1 or done < self.next_round - lead:
             return
         kind = args.kinds[self.count % len(args.kinds)]
         targeted = {f["replica"] for f in self.faults if f["round"] >= done}

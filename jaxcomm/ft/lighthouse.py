@@ -11,8 +11,9 @@ Quorum rule: the quorum forms once every live group (a heartbeat within
 ``heartbeat_timeout``) is asking for one, or ``quorum_timeout`` after the first
 asked. A slow group that still sends heartbeats is waited for; a frozen or dead
 one drops out after ``heartbeat_timeout``. Vote rule: a round commits only if
-every member of its quorum voted yes before the deadline; the decision is
-final and the same for every member that asks.
+every member of its quorum voted yes before the deadline; it is aborted as
+soon as a member votes no, or one that has not voted stops sending
+heartbeats. The decision is final and the same for every member that asks.
 """
 
 from __future__ import annotations
@@ -216,7 +217,9 @@ class Lighthouse:
                     self._decide(epoch, False)
                 elif not missing:
                     self._decide(epoch, True)
-                elif time.monotonic() >= deadline:
+                elif time.monotonic() >= deadline or set(missing) - self._live(time.monotonic()):
+                    # Past the deadline, or a member that has not voted is dead or frozen:
+                    # waiting for the deadline would only delay the same answer.
                     self._decide(epoch, False)
                 else:
                     self._cond.wait(timeout=min(0.05, max(deadline - time.monotonic(), 0)))
