@@ -8,6 +8,8 @@ its heartbeats stop). Processes killed for real: tests/test_ft_faults.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -480,3 +482,27 @@ def test_a_group_back_after_the_job_finished_is_told_so_instead_of_training_alon
         assert replicas[1].sync(np.ones(4, np.float32)).committed  # one that holds it goes on
     finally:
         _close(replicas)
+
+
+def test_nothing_listens_beyond_loopback_unless_asked(lighthouse):
+    (replica,) = _replicas(lighthouse, 1)
+    try:
+        listening = [lighthouse.address, replica.endpoint.address]
+        listening.append(replica._state_server.server_address[:2])
+        assert {host for host, _ in listening} == {"127.0.0.1"}
+    finally:
+        replica.close()
+    # The command line's own default, as the launcher starts it.
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "jaxcomm.ft.lighthouse", "--job-id", JOB],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = cli.stdout.readline()
+    finally:
+        cli.kill()
+        stderr = cli.communicate(timeout=10)[1]
+    assert f"lighthouse for job {JOB} on 127.0.0.1:" in first, stderr
+    assert "RuntimeWarning" not in stderr

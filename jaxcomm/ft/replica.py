@@ -306,8 +306,6 @@ class Replica:
                     f"{self.replica_id} was away (it holds round {self.committed.round}); "
                     "nothing is left to train"
                 )
-            for m in reply["members"]:
-                m.setdefault("size", size)
             return reply
         raise RuntimeError(
             f"no quorum from the lighthouse within {self.quorum_timeout:.0f} s (last: {last})"
