@@ -127,7 +127,7 @@ class Scheduler:
         self.next_round += args.fault_every
 
 
-def _read_log(log_path: str, offset: int, latest: dict) -> tuple[int, int]:
+def read_log(log_path: str, offset: int, latest: dict) -> tuple[int, int]:
     """Reads new log lines from ``offset``; updates ``latest`` (replica -> its last round entry)."""
     try:
         with open(log_path) as f:
@@ -201,7 +201,7 @@ def run(args, label: str, workdir: str, faults: bool = False) -> dict:
         while proc.poll() is None:
             if time.time() - start > args.time_limit:
                 raise TimeoutError(f"{label}: not done in {args.time_limit:.0f} s")
-            offset, done = _read_log(log, offset, latest)
+            offset, done = read_log(log, offset, latest)
             if done != last and done % max(args.rounds // 10, 1) == 0:
                 print(
                     f"[{label}] {done}/{args.rounds} rounds committed, {time.time() - start:.0f} s",

@@ -187,3 +187,23 @@ def test_data_parallel_groups_lose_no_step_beyond_the_aborted_ones(tmp_path):
         f for f in result["faults"] if f["kind"] in ("kill_exchange", "stop_exchange", "kill_vote")
     ]
     assert 1 <= result["aborted"] <= len(aborting) + 1, result["faults"]
+
+
+_NETBED = bench_modules.load("netbed")
+_CANNOT = _NETBED.check_can_isolate()
+
+
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.skipif(_CANNOT is not None, reason=f"cannot make network namespaces: {_CANNOT}")
+def test_a_group_cut_off_by_a_partitioned_link_is_left_out_then_heals(tmp_path):
+    out = tmp_path / "partition.json"
+    command = [sys.executable, "bench/ft_partition.py", "--groups", "3", "--rounds", "24"]
+    command += ["--cut-at", "6", "--cut-seconds", "12", "--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    facts = json.loads(out.read_text())
+    assert facts["others committed rounds while it was cut off"]
+    assert facts["it was in none of their quorums then"] is True
+    assert facts["it healed after the link came back, at round"] is not None
+    assert facts["hashes equal after every committed round"] is True

@@ -50,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--timeout", type=float, default=ft.replica.TIMEOUT_S, help="seconds a round may take"
     )
+    p.add_argument("--host", default="127.0.0.1", help="address this group listens on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--eval-every",
@@ -70,7 +71,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     inject = faults.from_env() or (lambda phase, round_: None)
-    replica = ft.Replica.from_env(timeout=args.timeout, on_phase=inject)
+    replica = ft.Replica.from_env(host=args.host, timeout=args.timeout, on_phase=inject)
     corpus = data.load_corpus()
     net = model.ByteTransformer(rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(net, nnx.Param)
