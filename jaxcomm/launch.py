@@ -171,6 +171,23 @@ class _PrefixedOutput:
         self._thread.join(timeout)
 
 
+def start_prefixed(command, env: dict, prefix: str, lock, hide, pumps: list) -> subprocess.Popen:
+    """Starts ``command`` in its own session, its output lines prefixed (pumps go to ``pumps``)."""
+    proc = subprocess.Popen(
+        list(command),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # Its own session: a terminal's Ctrl-C reaches only us, and we stop
+        # the processes in order instead of racing them; killed by group.
+        start_new_session=True,
+    )
+    pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, lock, hide))
+    pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, lock, hide))
+    return proc
+
+
 def _signal_group(proc: subprocess.Popen, sig: int):
     try:
         os.killpg(proc.pid, sig)  # the child's own group: its subprocesses too
@@ -281,20 +298,7 @@ def launch(
                 devices_per_process=devices_per_process,
                 gpus=gpus,
             )
-            proc = subprocess.Popen(
-                list(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                # Its own session: a terminal's Ctrl-C reaches only us, and we
-                # stop the ranks in order instead of racing them.
-                start_new_session=True,
-            )
-            procs.append(proc)
-            prefix = f"[rank {rank}] "
-            pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, lock, hide))
-            pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, lock, hide))
+            procs.append(start_prefixed(command, env, f"[rank {rank}] ", lock, hide, pumps))
         code, failed = _watch(procs)
     except _Interrupted as interrupt:
         name = signal.Signals(interrupt.signum).name

@@ -47,7 +47,6 @@ from jaxcomm.distributed.startup import (
 from jaxcomm.launch import (
     GLOO_CONNECTED,
     _Interrupted,
-    _PrefixedOutput,
     _raise_interrupted,
     _say,
     _signal_group,
@@ -55,6 +54,7 @@ from jaxcomm.launch import (
     exit_code,
     free_port,
     process_env,
+    start_prefixed,
     stop_all,
     with_device_count,
 )
@@ -74,8 +74,8 @@ def default_lighthouse_command(port: int, job_id: str, replicas: int = 1) -> lis
     """The default lighthouse: ``jaxcomm.ft.lighthouse`` on ``127.0.0.1:port``.
 
     Examples:
-      >>> default_lighthouse_command(1234, "ab", 3)[1:]
-      ['-m', 'jaxcomm.ft.lighthouse', '--host', '127.0.0.1', '--port', '1234', '--job-id', 'ab', '--replicas', '3']
+      >>> default_lighthouse_command(1234, "ab", 3)[3:]
+      ['--host', '127.0.0.1', '--port', '1234', '--job-id', 'ab', '--replicas', '3']
     """
     return [sys.executable, "-m", "jaxcomm.ft.lighthouse"] + [
         *("--host", HOST),
@@ -101,7 +101,7 @@ class _Children:
     def __init__(self, hide):
         self.hide = hide
         self.lock = threading.Lock()
-        self.pumps: list[_PrefixedOutput] = []
+        self.pumps: list = []  # the output pumps' threads
         self.ports: set[int] = set()
 
     def fresh_port(self) -> int:
@@ -112,17 +112,7 @@ class _Children:
         return port
 
     def start(self, command: Sequence[str], env: dict, prefix: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            list(command),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C reaches only us; killed by group
-        )
-        self.pumps.append(_PrefixedOutput(proc.stdout, sys.stdout, prefix, self.lock, self.hide))
-        self.pumps.append(_PrefixedOutput(proc.stderr, sys.stderr, prefix, self.lock, self.hide))
-        return proc
+        return start_prefixed(command, env, prefix, self.lock, self.hide, self.pumps)
 
     def join(self, timeout: float):
         for pump in self.pumps:
