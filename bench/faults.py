@@ -270,8 +270,14 @@ def analyse(result: dict, args) -> dict:
     normal = statistics.median(durations) if durations else 0.0
     faults = []
     for fault in sorted(result["fired"], key=lambda f: f["time"]):
+        # The fault's round decided on another group: committed as round r, or aborted
+        # (logged with the round before it, the one it rolled back to).
         after = [
-            e for e in entries if e["time"] > fault["time"] and e["replica"] != fault.get("replica")
+            e
+            for e in entries
+            if e["time"] > fault["time"]
+            and e["replica"] != fault.get("replica")
+            and e["round"] >= fault["round"] - (0 if e["committed"] else 1)
         ]
         outcome = min((e["time"] for e in after), default=None)
         commit = min((e["time"] for e in after if e["committed"]), default=None)
