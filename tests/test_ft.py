@@ -454,8 +454,11 @@ def test_a_group_that_joins_late_heals_into_the_same_bits_with_adamw(lighthouse)
         replica.close()  # done: the other group's quorums stop waiting for it
         return state
 
-    def late():
-        time.sleep(0.5)  # group 0 has committed steps by then; the joiner heals from it
+    def late():  # joins once group 0 has committed a few steps, and heals from it
+        deadline = time.monotonic() + 30
+        while len(trainers.get(0).log if 0 in trainers else []) < 4:
+            assert time.monotonic() < deadline, "group 0 committed nothing in 30 s"
+            time.sleep(0.01)
         return group(1, 40)
 
     try:

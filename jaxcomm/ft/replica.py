@@ -241,7 +241,9 @@ class Replica:
         self._on_phase("exchange", top + 1)
         if not reason:
             weight = np.float32(1.0 if contributes else 0.0)
-            payload = np.concatenate([x * weight, np.array([weight], np.float32)])
+            # Zeros, not x * 0: a healer's stale contribution may hold infs or NaNs.
+            sent = x if contributes else np.zeros_like(x)
+            payload = np.concatenate([sent, np.array([weight], np.float32)])
             peers = [Member(int(m["replica_id"]), *m["address"]) for m in members]
             try:
                 total = self.endpoint.allreduce_sum(
