@@ -46,7 +46,7 @@ WINDOW_TOKENS = 64  # predicted bytes per window of 65
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=None, help="300; 24 with --quick")
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mode", choices=("diloco", "dp"), default="diloco")
@@ -65,9 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--keep", default=None, help="a folder to keep the runs' logs and plans in")
     args = p.parse_args(argv)
     if args.quick:
-        args.replicas, args.rounds, args.sync_every, args.eval_every = 3, 24, 10, 6
+        args.replicas, args.sync_every, args.eval_every = 3, 10, 6
+        args.rounds = args.rounds or 24
         args.kinds = "kill_inner,kill_exchange,stop_exchange,slow,lighthouse,kill_vote"
         args.timeout = 5.0
+    args.rounds = args.rounds or 300
     args.kinds = args.kinds.split(",")
     bad = [k for k in args.kinds if k not in KINDS]
     if bad:
