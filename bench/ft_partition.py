@@ -16,7 +16,7 @@ happen:
 
 It prints these facts and exits 1 if one does not hold::
 
-    sudo python bench/ft_partition.py --groups 3 --rounds 30 --cut-at 8 --cut-seconds 15
+    sudo python bench/ft_partition.py --groups 3 --rounds 60 --cut-at 6 --cut-seconds 12
 
 Needs root, ``unshare``, ``ip`` and ``tc`` (bench/netbed.py).
 """
@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import faults
@@ -39,12 +40,12 @@ PORT = 29400
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--sync-every", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mode", choices=("diloco", "dp"), default="diloco")
-    p.add_argument("--cut-at", type=int, default=8, help="committed rounds before the cut")
-    p.add_argument("--cut-seconds", type=float, default=15.0)
+    p.add_argument("--cut-at", type=int, default=6, help="committed rounds before the cut")
+    p.add_argument("--cut-seconds", type=float, default=12.0)
     p.add_argument("--cut-group", type=int, default=2, help="which group (1..N) loses its link")
     p.add_argument("--timeout", type=float, default=5.0, help="a round's deadline")
     p.add_argument("--rate", default="1gbit")
@@ -82,7 +83,9 @@ def _commands(bed, args, log: str, job: str):
 
 def inside(args) -> int:
     netbed.install_interrupt_handlers()
-    log = os.path.join("/tmp", f"ft-partition-{os.getpid()}.jsonl")
+    # Not named by our pid: in run_isolated's PID namespace it is 1 on every run.
+    fd, log = tempfile.mkstemp(prefix="ft-partition-", suffix=".jsonl")
+    os.close(fd)
     procs = []
     cut = {}
     try:
@@ -116,6 +119,7 @@ def inside(args) -> int:
                 p.kill()
     with open(log) as f:
         entries = [json.loads(line) for line in f]
+    os.unlink(log)
     return report(args, entries, cut, codes)
 
 
