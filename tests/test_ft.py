@@ -509,3 +509,46 @@ def test_nothing_listens_beyond_loopback_unless_asked(lighthouse):
         stderr = cli.communicate(timeout=10)[1]
     assert f"lighthouse for job {JOB} on 127.0.0.1:" in first, stderr
     assert "RuntimeWarning" not in stderr
+
+
+def test_a_member_frozen_in_the_exchange_is_not_waited_for_until_the_deadline(lighthouse):
+    replicas = _replicas(lighthouse, 3, timeout=20.0)
+    try:
+        _commit_all(replicas, [np.zeros(2)] * 3)
+
+        def freezes(phase, round_):
+            if phase == "exchange":  # its heartbeats stop and it sends nothing, sockets open
+                replicas[2]._closed.set()
+                replicas[2]._heartbeats.join()
+                time.sleep(HEARTBEAT + 3.0)
+
+        replicas[2]._on_phase = freezes
+        start, took = time.monotonic(), {}
+
+        def run(i):
+            r = replicas[i].sync(np.ones(8, np.float32))
+            took[i] = time.monotonic() - start
+            return r
+
+        rounds = _in_threads([lambda i=i: run(i) for i in range(3)])
+        assert [r.committed for r in rounds] == [False] * 3
+        assert "[2] stopped sending heartbeats" in rounds[0].reason
+        assert max(took[0], took[1]) < HEARTBEAT + 2.0  # not the 20 s deadline
+    finally:
+        _close(replicas)
+
+
+def test_a_slow_member_that_sends_heartbeats_is_waited_for(lighthouse):
+    replicas = _replicas(lighthouse, 3, timeout=20.0)
+    try:
+        _commit_all(replicas, [np.zeros(2)] * 3)
+        slow = HEARTBEAT * 4
+        replicas[2]._on_phase = lambda phase, r: time.sleep(slow) if phase == "exchange" else None
+        start = time.monotonic()
+        rounds = _in_threads(
+            [lambda i=i: replicas[i].sync(np.ones(8, np.float32)) for i in range(3)]
+        )
+        assert [r.committed for r in rounds] == [True] * 3 and rounds[0].contributors == 3
+        assert time.monotonic() - start >= slow
+    finally:
+        _close(replicas)

@@ -10,7 +10,9 @@ quorums above every epoch they report having seen, so an epoch is never reused.
 Quorum rule: the quorum forms once every live group (a heartbeat within
 ``heartbeat_timeout``) is asking for one, or ``quorum_timeout`` after the first
 asked. A slow group that still sends heartbeats is waited for; a frozen or dead
-one drops out after ``heartbeat_timeout``. Vote rule: a round commits only if
+one drops out after ``heartbeat_timeout``, and the members of a round in
+progress can ask which of them went silent (to abort their exchange without
+waiting for its deadline). Vote rule: a round commits only if
 every member of its quorum voted yes before the deadline; it is aborted as
 soon as a member votes no, or one that has not voted stops sending
 heartbeats. The decision is final and the same for every member that asks.
@@ -142,6 +144,10 @@ class Lighthouse:
             return {"ok": True}
         if op == "quorum":
             return self._quorum(rid, message)
+        if op == "silent":  # members of an epoch that stopped sending heartbeats
+            with self._cond:
+                members = self._members.get(int(message["epoch"]), [])
+                return {"silent": sorted(set(members) - self._live(time.monotonic()))}
         if op == "vote":
             return self._vote(
                 rid, int(message["epoch"]), bool(message["ok"]), float(message["timeout"])

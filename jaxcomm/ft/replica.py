@@ -35,6 +35,7 @@ from jaxcomm.ft.snapshot import Snapshot
 
 TIMEOUT_S = 10.0
 HEARTBEAT_INTERVAL_S = 0.25
+WATCH_S = 0.5  # how often a running exchange asks the lighthouse for silent members
 
 
 class JobFinished(RuntimeError):
@@ -245,6 +246,7 @@ class Replica:
             sent = x if contributes else np.zeros_like(x)
             payload = np.concatenate([sent, np.array([weight], np.float32)])
             peers = [Member(int(m["replica_id"]), *m["address"]) for m in members]
+            watch = _Watch(self, epoch)
             try:
                 total = self.endpoint.allreduce_sum(
                     payload,
@@ -255,7 +257,9 @@ class Replica:
                     wire_dtype=wire_dtype,
                 )
             except ExchangeAborted as e:
-                reason = f"exchange: {e}"
+                reason = f"exchange: {watch.silent or e}"
+            finally:
+                watch.stop()
         self._on_phase("vote", top + 1)
         commit, vote_reason = self._vote(epoch, ok=not reason, deadline=deadline)
         reason = reason or vote_reason
@@ -373,6 +377,38 @@ class Replica:
                 pass  # the lighthouse may be restarting; the next beat tries again
             if self._closed.wait(HEARTBEAT_INTERVAL_S):
                 return
+
+
+class _Watch:
+    """While an exchange runs, asks the lighthouse every ``WATCH_S`` whether a member
+    went silent (no heartbeats: dead, frozen or cut off) and aborts the exchange if
+    one did. A frozen member would otherwise hold the others until the deadline;
+    a slow one still sends heartbeats and is waited for."""
+
+    def __init__(self, replica: Replica, epoch: int):
+        self.silent = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(replica, epoch), daemon=True, name="ft-watch"
+        )
+        self._thread.start()
+
+    def _run(self, replica: Replica, epoch: int):
+        message = {"op": "silent", "job_id": replica.job_id, "replica_id": replica.replica_id}
+        message["epoch"] = epoch
+        while not self._stop.wait(WATCH_S):
+            try:
+                silent = _messages.request(replica.lighthouse, message, timeout=1.0).get("silent")
+            except _messages.Unreachable:
+                continue  # no lighthouse: the deadline still holds
+            if silent:
+                self.silent = f"replica(s) {silent} stopped sending heartbeats; aborted"
+                replica.endpoint.abort()
+                return
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=2.0)
 
 
 def _state_server(replica: Replica, host: str) -> socketserver.ThreadingTCPServer:
