@@ -71,10 +71,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     inject = faults.from_env() or (lambda phase, round_: None)
-    replica = ft.Replica.from_env(host=args.host, timeout=args.timeout, on_phase=inject)
     corpus = data.load_corpus()
     net = model.ByteTransformer(rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(net, nnx.Param)
+    # Joined last: from its first heartbeat on, the other groups' quorums wait for this one.
+    replica = ft.Replica.from_env(host=args.host, timeout=args.timeout, on_phase=inject)
 
     def loss_fn(params, windows):
         logits = nnx.merge(graphdef, params)(windows[:, :-1])
