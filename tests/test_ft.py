@@ -138,6 +138,21 @@ def test_a_restarted_lighthouse_numbers_epochs_above_those_seen(lighthouse):
     assert reply["epoch"] == first + 41
 
 
+def test_a_restarted_lighthouse_hears_every_live_group_before_a_quorum():
+    # Group 0 asks the moment the lighthouse is back; group 1's heartbeat comes 0.2 s later.
+    # A quorum of group 0 alone would let both commit the same round apart.
+    with ft.Lighthouse(JOB, heartbeat_timeout=HEARTBEAT) as fresh:
+
+        def late():
+            time.sleep(0.2)
+            _beat(fresh, 1)
+            return _ask(fresh, 1, round_=4)
+
+        replies = _in_threads([lambda: _ask(fresh, 0, round_=4), late])
+    assert [m["replica_id"] for m in replies[0]["members"]] == [0, 1]
+    assert replies[0]["epoch"] == replies[1]["epoch"]
+
+
 def test_the_vote_commits_only_when_every_member_says_yes(lighthouse):
     def vote(rid, epoch, ok, timeout=2.0):
         message = {
@@ -153,9 +168,12 @@ def test_the_vote_commits_only_when_every_member_says_yes(lighthouse):
     def quorum():  # both known (a heartbeat each), so that they land in one quorum
         _beat(lighthouse, 0)
         _beat(lighthouse, 1)
-        return _in_threads(
+        epoch = _in_threads(
             [lambda: _ask(lighthouse, 0, round_=1), lambda: _ask(lighthouse, 1, round_=1)]
         )[0]["epoch"]
+        _beat(lighthouse, 0)  # alive as the vote begins, as their heartbeat threads keep them
+        _beat(lighthouse, 1)
+        return epoch
 
     e = quorum()
     assert [

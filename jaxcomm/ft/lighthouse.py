@@ -4,8 +4,10 @@ One small server per job (``python -m jaxcomm.ft.lighthouse``, started by
 ``python -m jaxcomm.launch --replicas N``). Replica groups send it heartbeats
 from a thread; at each round every group asks it for a quorum and, after the
 exchange, votes on the outcome. It holds no training state: a restarted
-lighthouse learns the members again from their next requests, and numbers its
-quorums above every epoch they report having seen, so an epoch is never reused.
+lighthouse learns the members again from their next requests (it forms no
+quorum for one heartbeat timeout, until every live group has been heard),
+and numbers its quorums above every epoch they report having seen, so an
+epoch is never reused.
 
 Quorum rule: the quorum forms once every live group (a heartbeat within
 ``heartbeat_timeout``) is asking for one, or ``quorum_timeout`` after the first
@@ -81,6 +83,7 @@ class Lighthouse:
         self._votes: dict[int, dict[int, bool]] = {}
         self._decided: dict[int, bool] = {}
         self._finished = None  # the round at which a group finished the job
+        self._started = time.monotonic()
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -179,6 +182,10 @@ class Lighthouse:
             return self._formed.pop(rid)
 
     def _maybe_form(self, now: float) -> None:
+        if now - self._started < self.heartbeat_timeout:
+            # A lighthouse that just (re)started has not heard every live group yet: a
+            # quorum now could leave some out and let two quorums commit the same round.
+            return
         asking = set(self._asking)
         waiting_for = self._live(now) - asking
         waited = now - self._first_ask
