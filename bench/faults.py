@@ -40,6 +40,16 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "fault_tolerance", "train.py")
 KINDS = ("kill_inner", "kill_exchange", "stop_exchange", "kill_vote", "slow", "lighthouse")
+# The kinds a group's injector carries out, as (phase, action) of jaxcomm.ft.faults;
+# the lighthouse is killed by this harness itself.
+INJECTED = {
+    "kill_inner": ("inner", "kill"),
+    "kill_exchange": ("exchange", "kill"),
+    "stop_exchange": ("exchange", "stop"),
+    "kill_vote": ("vote", "kill"),
+    "slow": ("exchange", "sleep"),
+}
+KIND_OF = {pair: kind for kind, pair in INJECTED.items()}
 WINDOW_TOKENS = 64  # predicted bytes per window of 65
 
 
@@ -113,8 +123,7 @@ class Scheduler:
             self.lighthouse_at.append(self.next_round)
         elif live:
             replica = live[self.count % len(live)]
-            phase = {"kill_inner": "inner", "kill_vote": "vote"}.get(kind, "exchange")
-            action = {"stop_exchange": "stop", "slow": "sleep"}.get(kind, "kill")
+            phase, action = INJECTED[kind]
             seconds = {"stop": args.timeout + 4.0, "sleep": args.timeout / 2}.get(action, 0.0)
             fault = {
                 "replica": replica,
@@ -237,11 +246,7 @@ def run(args, label: str, workdir: str, faults: bool = False) -> dict:
         with open(env["JAXCOMM_FT_FAULTS"] + ".fired") as f:
             for line in f:
                 fault = json.loads(line)
-                kind = {"inner": "kill_inner", "vote": "kill_vote"}.get(
-                    fault["phase"], "kill_exchange"
-                )
-                kind = {"stop": "stop_exchange", "sleep": "slow"}.get(fault["action"], kind)
-                fired.append({**fault, "kind": kind})
+                fired.append({**fault, "kind": KIND_OF[fault["phase"], fault["action"]]})
     return {
         "label": label,
         "code": proc.returncode,

@@ -160,7 +160,7 @@ class Replica:
             return
         self._closed.set()
         self._heartbeats.join(timeout=2.0)
-        message = {"op": "leave", "job_id": self.job_id, "replica_id": self.replica_id}
+        message = self._message("leave")
         message["finished"] = bool(finished)
         message["committed_round"] = -1 if self.committed is None else int(self.committed.round)
         try:
@@ -278,19 +278,21 @@ class Replica:
             time.monotonic() - start,
         )
 
+    def _message(self, op: str, **fields) -> dict:
+        """A request to the lighthouse: the op, this job and group, and ``fields``."""
+        return {"op": op, "job_id": self.job_id, "replica_id": self.replica_id, **fields}
+
     def _quorum(self, size: int) -> dict:
-        message = {
-            "op": "quorum",
-            "job_id": self.job_id,
-            "replica_id": self.replica_id,
-            "epoch_seen": self._epoch_seen,
-            "address": list(self.endpoint.address),
-            "state_address": list(self._state_server.server_address[:2]),
-            "committed_round": int(self.committed.round),
-            "state_hash": self._hash,
-            "size": int(size),
-            "timeout": self.quorum_timeout,
-        }
+        message = self._message(
+            "quorum",
+            epoch_seen=self._epoch_seen,
+            address=list(self.endpoint.address),
+            state_address=list(self._state_server.server_address[:2]),
+            committed_round=int(self.committed.round),
+            state_hash=self._hash,
+            size=int(size),
+            timeout=self.quorum_timeout,
+        )
         deadline = time.monotonic() + self.quorum_timeout
         last = "nothing"
         while time.monotonic() < deadline:
@@ -347,13 +349,7 @@ class Replica:
         return None, "healing failed: " + "; ".join(errors)
 
     def _vote(self, epoch: int, *, ok: bool, deadline: float) -> tuple[bool, str]:
-        message = {
-            "op": "vote",
-            "job_id": self.job_id,
-            "replica_id": self.replica_id,
-            "epoch": epoch,
-            "ok": ok,
-        }
+        message = self._message("vote", epoch=epoch, ok=ok)
         message["timeout"] = max(deadline - time.monotonic(), 0.0)
         try:
             reply = _messages.request(self.lighthouse, message, timeout=message["timeout"] + 2.0)
@@ -369,8 +365,7 @@ class Replica:
 
     def _beat(self) -> None:
         while True:
-            message = {"op": "heartbeat", "job_id": self.job_id, "replica_id": self.replica_id}
-            message["epoch_seen"] = self._epoch_seen
+            message = self._message("heartbeat", epoch_seen=self._epoch_seen)
             try:
                 _messages.request(self.lighthouse, message, timeout=1.0)
             except _messages.Unreachable:
@@ -394,8 +389,7 @@ class _Watch:
         self._thread.start()
 
     def _run(self, replica: Replica, epoch: int):
-        message = {"op": "silent", "job_id": replica.job_id, "replica_id": replica.replica_id}
-        message["epoch"] = epoch
+        message = replica._message("silent", epoch=epoch)
         while not self._stop.wait(WATCH_S):
             try:
                 silent = _messages.request(replica.lighthouse, message, timeout=1.0).get("silent")
