@@ -355,7 +355,11 @@ def test_reuse_and_recovery_after_an_aborted_round(endpoints):
         results, took = run_round(eps[:2], xs[:2], epoch=1, round=20, members=members_of(eps))
     finally:
         aborter.join()
-    assert all(isinstance(r, ExchangeAborted) and "aborted" in str(r) for r in results)
+    # Replica 0 waits on 2's connection, so only its own abort ends it. Replica 1 may see 0
+    # close its connection before its own abort() runs: that is a peer failure, as good.
+    assert isinstance(results[0], ExchangeAborted) and "aborted" in str(results[0])
+    assert isinstance(results[1], ExchangeAborted)
+    assert "aborted" in str(results[1]) or "[peer replica 0 " in str(results[1])
     assert max(took) < 1.5
     results, _ = run_round(eps, xs, epoch=2, round=0)
     check_sum(results, xs, None)
