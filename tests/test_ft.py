@@ -365,7 +365,7 @@ def _train(trainer, rounds, *, die_at=None, pause=0.0):
     state = trainer.start({"w": jnp.zeros(5, jnp.float32)})
     while state.round < rounds:
         if die_at is not None and state.round == die_at:
-            trainer.replica.close()
+            trainer.group.close()
             return state
         index, count = trainer.shard()
         x, y = _batch(state.round, state.step, index, count)

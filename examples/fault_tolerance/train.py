@@ -5,7 +5,10 @@ restarts a group that dies::
 
     python -m jaxcomm.launch --replicas 4 examples/fault_tolerance/train.py --rounds 30
 
-Each group is one process with one CPU device. ``--mode diloco`` (default):
+Each group is one process with one CPU device, or (``-n M``) its own
+``jax.distributed`` job of M processes: the params replicated over its devices,
+each step's batch split over them, and rank 0 talking to the other groups.
+``--mode diloco`` (default):
 AdamW inner steps, a Nesterov outer step every ``--sync-every`` over the
 groups of that round's quorum. ``--mode dp``: every step a round, the gradient
 averaged over the groups in bfloat16. Kill a group (``kill -9``) and watch the
@@ -29,7 +32,10 @@ import model  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import jaxcomm.distributed  # noqa: E402
 from jaxcomm import ft  # noqa: E402
 from jaxcomm.ft import faults  # noqa: E402
 
@@ -70,12 +76,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    jaxcomm.distributed.initialize()  # this group's own job (-n M); nothing for one process
     inject = faults.from_env() or (lambda phase, round_: None)
     corpus = data.load_corpus()
     net = model.ByteTransformer(rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(net, nnx.Param)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params = jax.tree.map(lambda a: _place(np.asarray(a), mesh, P()), params)
     # Joined last: from its first heartbeat on, the other groups' quorums wait for this one.
-    replica = ft.Replica.from_env(host=args.host, timeout=args.timeout, on_phase=inject)
+    group = ft.Group.from_env(host=args.host, timeout=args.timeout, on_phase=inject)
 
     def loss_fn(params, windows):
         logits = nnx.merge(graphdef, params)(windows[:, :-1])
@@ -84,7 +93,7 @@ def main(argv=None) -> int:
     if args.mode == "diloco":
         outer = optax.sgd(args.outer_lr, momentum=0.9, nesterov=True)
         trainer = ft.DiLoCo(
-            replica,
+            group,
             loss_fn,
             optax.adamw(args.lr),
             outer,
@@ -92,29 +101,28 @@ def main(argv=None) -> int:
             wire_dtype=args.wire,
         )
     else:
-        trainer = ft.DataParallel(replica, loss_fn, optax.adamw(args.lr), wire_dtype=args.wire)
-    val = data.fixed_windows(corpus.val, 256, 65)
+        trainer = ft.DataParallel(group, loss_fn, optax.adamw(args.lr), wire_dtype=args.wire)
+    val = _place(data.fixed_windows(corpus.val, 256, 65), mesh, P("data"))
     evaluate = jax.jit(loss_fn)
     try:
         state = train(
-            args, trainer, replica, corpus, inject, lambda p: float(evaluate(p, val)), params
+            args, trainer, group, corpus, inject, lambda p: float(evaluate(p, val)), params, mesh
         )
     except ft.JobFinished as e:  # stopped or cut off while the others finished
-        print(f"replica {replica.replica_id}: {e}", flush=True)
-        replica.close()
+        print(f"replica {group.replica_id}: {e}", flush=True)
+        group.close()
         return 0
     final = float(evaluate(state.params, val))
     print(
-        f"replica {replica.replica_id}: {state.round} rounds committed, "
-        f"validation loss {final:.4f}",
+        f"replica {group.replica_id}: {state.round} rounds committed, validation loss {final:.4f}",
         flush=True,
     )
-    _log(args, replica, None, final, key="final_loss", round=state.round)
-    replica.close(finished=True)
+    _log(args, group, None, final, key="final_loss", round=state.round)
+    group.close(finished=True)
     return 0
 
 
-def train(args, trainer, replica, corpus, inject, evaluate, params):
+def train(args, trainer, group, corpus, inject, evaluate, params, mesh):
     """The training loop: until ``args.rounds`` rounds are committed."""
     state = trainer.start(params)
     logged = 0
@@ -125,20 +133,27 @@ def train(args, trainer, replica, corpus, inject, evaluate, params):
         rng = np.random.default_rng([args.seed, state.round, state.step, index, count])
         if args.mode == "diloco" and state.step == args.sync_every // 2:
             inject("inner", state.round + 1)
-        state, loss = trainer.step(state, data.sample_windows(corpus.train, args.batch, 65, rng))
+        windows = _place(data.sample_windows(corpus.train, args.batch, 65, rng), mesh, P("data"))
+        state, loss = trainer.step(state, windows)
+        jax.block_until_ready(loss)  # one step in flight: XLA's CPU collectives need it
         for entry in trainer.log[logged:]:
-            _log(args, replica, entry, float(loss))
+            _log(args, group, entry, float(loss))
             first = trainer.shard()[0] == 0
             if args.eval_every and entry.committed and entry.round % args.eval_every == 0 and first:
                 loss = evaluate(state.params)
-                _log(args, replica, None, loss, key="eval_loss", round=entry.round)
+                _log(args, group, None, loss, key="eval_loss", round=entry.round)
         logged = len(trainer.log)
     return state
 
 
-def _log(args, replica, entry, loss, *, key=None, round=None):
+def _place(a: np.ndarray, mesh, spec) -> jax.Array:
+    """A host array that every process of the group holds, as one array over the group."""
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
+def _log(args, group, entry, loss, *, key=None, round=None):
     line = {
-        "replica": replica.replica_id,
+        "replica": group.replica_id,
         "incarnation": int(os.environ.get("JAXCOMM_FT_INCARNATION", 0)),
     }
     if entry is None:
@@ -147,7 +162,7 @@ def _log(args, replica, entry, loss, *, key=None, round=None):
         line.update(entry._asdict(), train_loss=loss)
         if not entry.committed:
             print(f"round {entry.round + 1} aborted: {entry.reason}", flush=True)
-    if args.log:
+    if args.log and jax.process_index() == 0:  # one line per group, from its rank 0
         with open(args.log, "a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -3,8 +3,10 @@
 Replica groups are independent JAX runtimes that meet only in a host exchange
 over the slow network. A :class:`Lighthouse` forms a quorum per round; each
 group's :class:`Replica` runs the round (quorum, healing, exchange with a
-deadline, commit vote); :class:`DiLoCo` and :class:`DataParallel` wrap an optax
-optimizer into a training step that commits or rolls back. Start a job with
+deadline, commit vote); in a group of several processes it runs on rank 0 and
+:class:`Group` broadcasts the outcome to the other ranks. :class:`DiLoCo` and
+:class:`DataParallel` wrap an optax optimizer into a training step that
+commits or rolls back. Start a job with
 ``python -m jaxcomm.launch --replicas N train.py``; docs/fault_tolerance.md.
 """
 
@@ -12,6 +14,7 @@ from jaxcomm.ft._trainer import ReplicaState, RoundLog
 from jaxcomm.ft.data_parallel import DataParallel
 from jaxcomm.ft.diloco import DiLoCo
 from jaxcomm.ft.exchange import ExchangeAborted
+from jaxcomm.ft.group import Group
 from jaxcomm.ft.replica import JobFinished, Replica, Round
 from jaxcomm.ft.snapshot import Snapshot
 
@@ -19,6 +22,7 @@ __all__ = [
     "DataParallel",
     "DiLoCo",
     "ExchangeAborted",
+    "Group",
     "JobFinished",
     "Lighthouse",
     "Replica",

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
+from jax.experimental import multihost_utils
 
+from jaxcomm.ft.group import Group
 from jaxcomm.ft.replica import Replica, Round
 from jaxcomm.ft.snapshot import Snapshot
 
@@ -60,48 +61,45 @@ class RoundLog(NamedTuple):
 
 
 class _Trainer:
-    def __init__(self, replica: Replica, loss_fn, *, wire_dtype):
-        if not isinstance(replica, Replica):
-            raise TypeError(f"replica must be a jaxcomm.ft.Replica, got {type(replica).__name__}")
+    def __init__(self, replica: Replica | Group, loss_fn, *, wire_dtype):
+        if isinstance(replica, Replica):
+            replica = Group(replica)
+        if not isinstance(replica, Group):
+            raise TypeError(
+                f"replica must be a jaxcomm.ft.Replica or Group, got {type(replica).__name__}"
+            )
         if not callable(loss_fn):
             raise TypeError("loss_fn must be a function loss_fn(params, batch) -> scalar")
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {WIRE_DTYPES}")
-        self.replica = replica
+        self.group = replica
         self.wire_dtype = wire_dtype
         self.log: list[RoundLog] = []
         self._grad = jax.jit(jax.value_and_grad(loss_fn))
-        self._trees = None  # (shared treedef, private treedef)
+        self._like = None  # _Layout of the starting state's (shared, private, params)
 
     def shard(self) -> tuple[int, int]:
         """(index, count) of this group among the last quorum's: its share of the data."""
-        return self.replica.shard()
+        return self.group.shard()
 
     # -- state on the host ---------------------------------------------------
 
     def _snapshot(self, state: ReplicaState) -> Snapshot:
         shared, private = self._split(state)
-        host = jax.device_get((jax.tree.leaves(shared), jax.tree.leaves(private)))
-        return Snapshot(
-            state.round, tuple(map(np.asarray, host[0])), tuple(map(np.asarray, host[1]))
-        )
+        return Snapshot(state.round, tuple(host_leaves(shared)), tuple(host_leaves(private)))
 
     def _load(self, snap: Snapshot) -> ReplicaState:
-        shared_def, private_def = self._trees
-        shared = jax.tree.unflatten(shared_def, [jnp.asarray(a) for a in snap.shared])
-        private = jax.tree.unflatten(private_def, [jnp.asarray(a) for a in snap.private])
-        return self._join(shared, private, snap.round)
+        shared, private, _ = self._like
+        return self._join(shared.place(snap.shared), private.place(snap.private), snap.round)
 
     def _start(self, state: ReplicaState) -> ReplicaState:
         """Commits the starting state, then joins: pulls a live peer's state if it differs."""
         shared, private = self._split(state)
-        self._trees = (jax.tree.structure(shared), jax.tree.structure(private))
-        self._vector, self._unravel = ravel_pytree(state.params)
-        self._unravel = jax.jit(self._unravel)
-        self.replica.commit(self._snapshot(state))
-        nothing = np.zeros(self._vector.size, np.float32)
+        self._like = (_Layout(shared), _Layout(private), _Layout(state.params))
+        self.group.commit(self._snapshot(state))
+        nothing = np.zeros(self._like[2].size, np.float32)
         while True:  # a join round aborted by a fault elsewhere is simply tried again
-            r = self.replica.sync(nothing, contributes=False, wire_dtype=self.wire_dtype)
+            r = self.group.sync(nothing, contributes=False, wire_dtype=self.wire_dtype)
             state = self._finish(state, r)
             if r.committed:
                 return state
@@ -110,10 +108,11 @@ class _Trainer:
         if r.healed is not None:
             state = self._load(r.healed)
         if r.committed and r.mean is not None:
-            state = self._apply(state, self._unravel(jnp.asarray(r.mean)))
-            self.replica.commit(self._snapshot(state))
+            params = self._like[2]
+            state = self._apply(state, params.place(params.split(r.mean)))
+            self.group.commit(self._snapshot(state))
         elif not r.committed:
-            state = self._load(self.replica.committed)
+            state = self._load(self.group.committed)
         self.log.append(
             RoundLog(
                 state.round,
@@ -122,7 +121,7 @@ class _Trainer:
                 r.members,
                 r.contributors,
                 r.healed is not None,
-                self.replica.state_hash,
+                self.group.state_hash,
                 r.seconds,
                 r.reason,
                 time.time(),
@@ -142,7 +141,54 @@ class _Trainer:
         raise NotImplementedError
 
 
+def host_leaves(tree) -> list[np.ndarray]:
+    """The leaves of ``tree`` on the host, whole, in ``jax.tree.leaves`` order.
+
+    A leaf sharded over the processes of a group is gathered from them, so every
+    rank of the group must call this at the same point.
+    """
+    out = []
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            if a.is_fully_replicated:
+                a = a.addressable_data(0)
+            else:
+                a = multihost_utils.process_allgather(a, tiled=True)
+        out.append(a)
+    return [np.asarray(a) for a in jax.device_get(out)]
+
+
 def as_vector(tree) -> np.ndarray:
-    """A pytree as one float32 host vector (ravel_pytree's order)."""
-    flat, _ = ravel_pytree(tree)
-    return np.asarray(jax.device_get(flat), dtype=np.float32)
+    """A pytree as one float32 host vector (``jax.flatten_util.ravel_pytree``'s order)."""
+    leaves = host_leaves(tree)
+    if not leaves:
+        return np.zeros(0, np.float32)
+    return np.concatenate([np.ravel(a).astype(np.float32) for a in leaves])
+
+
+class _Layout:
+    """A tree's structure and its leaves' shapes, dtypes and placements."""
+
+    def __init__(self, tree):
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.shapes = [np.shape(a) for a in leaves]
+        self.dtypes = [a.dtype if hasattr(a, "dtype") else np.result_type(a) for a in leaves]
+        self.shardings = [a.sharding if isinstance(a, jax.Array) else None for a in leaves]
+        self.size = int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
+
+    def split(self, vector: np.ndarray) -> list[np.ndarray]:
+        """A flat vector (as :func:`as_vector` makes) cut into this tree's leaves and dtypes."""
+        ends = np.cumsum([int(np.prod(s, dtype=np.int64)) for s in self.shapes])
+        parts = np.split(np.asarray(vector), ends[:-1])
+        leaves = zip(parts, self.shapes, self.dtypes, strict=True)
+        return [p.reshape(s).astype(d) for p, s, d in leaves]
+
+    def place(self, arrays):
+        """Host ``arrays`` (in leaf order) as this tree, each placed as its leaf was."""
+        leaves = [
+            jnp.asarray(a)
+            if s is None
+            else jax.make_array_from_callback(np.shape(a), s, lambda i, a=a: np.asarray(a)[i])
+            for a, s in zip(arrays, self.shardings, strict=True)
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)

@@ -12,6 +12,7 @@ import jax
 import optax
 
 from jaxcomm.ft._trainer import ReplicaState, _Trainer, as_vector
+from jaxcomm.ft.group import Group
 from jaxcomm.ft.replica import Replica
 
 
@@ -19,12 +20,13 @@ class DataParallel(_Trainer):
     """Fault-tolerant per-step gradient averaging (see the module docstring).
 
     Args:
-      replica: this group's :class:`jaxcomm.ft.Replica`.
+      replica: this group's :class:`jaxcomm.ft.Replica`, or in a group of several
+        processes its :class:`jaxcomm.ft.Group` (every rank passes its own).
       loss_fn: ``loss_fn(params, batch) -> scalar``.
       optimizer: the optax chain applied to the averaged gradient.
       wire_dtype: None (float32), "bfloat16" or "float16": what travels between groups.
 
-    Example (``replica`` from :meth:`jaxcomm.ft.Replica.from_env`)::
+    Example (``replica`` from :meth:`jaxcomm.ft.Group.from_env`)::
 
       trainer = DataParallel(replica, loss_fn, optax.adamw(3e-3), wire_dtype="bfloat16")
       state = trainer.start(params)
@@ -33,7 +35,12 @@ class DataParallel(_Trainer):
     """
 
     def __init__(
-        self, replica: Replica, loss_fn, optimizer: optax.GradientTransformation, *, wire_dtype=None
+        self,
+        replica: Replica | Group,
+        loss_fn,
+        optimizer: optax.GradientTransformation,
+        *,
+        wire_dtype=None,
     ):
         super().__init__(replica, loss_fn, wire_dtype=wire_dtype)
         self.optimizer = optimizer
@@ -47,12 +54,13 @@ class DataParallel(_Trainer):
 
     def start(self, params) -> ReplicaState:
         """The starting state: ``params`` (equal on every group), or a live peer's committed one."""
-        return self._start(ReplicaState(params, self.optimizer.init(params)))
+        # Under jit, so that in a group of several processes every leaf spans them all.
+        return self._start(ReplicaState(params, jax.jit(self.optimizer.init)(params)))
 
     def step(self, state: ReplicaState, batch) -> tuple[ReplicaState, jax.Array]:
         """One step: the gradient on ``batch``, averaged over the groups, applied if it commits."""
         loss, grads = self._grad(state.params, batch)
-        r = self.replica.sync(as_vector(grads), wire_dtype=self.wire_dtype)
+        r = self.group.sync(as_vector(grads), wire_dtype=self.wire_dtype)
         return self._finish(state, r), loss
 
     def _split(self, state):

@@ -15,6 +15,7 @@ import jax
 import optax
 
 from jaxcomm.ft._trainer import ReplicaState, _Trainer, as_vector
+from jaxcomm.ft.group import Group
 from jaxcomm.ft.replica import Replica
 
 
@@ -22,7 +23,8 @@ class DiLoCo(_Trainer):
     """Fault-tolerant DiLoCo over replica groups (see the module docstring).
 
     Args:
-      replica: this group's :class:`jaxcomm.ft.Replica`.
+      replica: this group's :class:`jaxcomm.ft.Replica`, or in a group of several
+        processes its :class:`jaxcomm.ft.Group` (every rank passes its own).
       loss_fn: ``loss_fn(params, batch) -> scalar``, differentiated at the group's local params.
       inner: the optax optimizer each group runs on its own gradients.
       outer: the optax optimizer of the averaged pseudo-gradient, e.g.
@@ -30,7 +32,7 @@ class DiLoCo(_Trainer):
       sync_every: H, inner steps between rounds, >= 1.
       wire_dtype: None (float32), "bfloat16" or "float16": what travels between groups.
 
-    Example (``replica`` from :meth:`jaxcomm.ft.Replica.from_env`)::
+    Example (``replica`` from :meth:`jaxcomm.ft.Group.from_env`)::
 
       trainer = DiLoCo(replica, loss_fn, optax.adamw(3e-3),
                        optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=20)
@@ -42,7 +44,7 @@ class DiLoCo(_Trainer):
 
     def __init__(
         self,
-        replica: Replica,
+        replica: Replica | Group,
         loss_fn,
         inner: optax.GradientTransformation,
         outer: optax.GradientTransformation,
@@ -71,7 +73,10 @@ class DiLoCo(_Trainer):
 
     def start(self, params) -> ReplicaState:
         """The starting state: ``params`` (equal on every group), or a live peer's committed one."""
-        state = ReplicaState(params, self.outer.init(params), params, self.inner.init(params), 0, 0)
+        # Under jit, so that in a group of several processes every leaf spans them all.
+        init = jax.jit(lambda p: (self.outer.init(p), self.inner.init(p)))
+        outer_state, inner_state = init(params)
+        state = ReplicaState(params, outer_state, params, inner_state, 0, 0)
         return self._start(state)
 
     def step(self, state: ReplicaState, batch) -> tuple[ReplicaState, jax.Array]:
@@ -84,7 +89,7 @@ class DiLoCo(_Trainer):
 
     def sync(self, state: ReplicaState) -> ReplicaState:
         """The round: average the pseudo-gradients, commit and step, or roll back."""
-        r = self.replica.sync(
+        r = self.group.sync(
             as_vector(self._delta(state.params, state.local)), wire_dtype=self.wire_dtype
         )
         return self._finish(state, r)._replace(step=0)

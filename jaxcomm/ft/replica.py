@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxcomm.distributed.startup import ENV_PROCESS_ID
 from jaxcomm.ft import _messages
 from jaxcomm.ft.exchange import Endpoint, ExchangeAborted, Member
 from jaxcomm.ft.snapshot import Snapshot
@@ -129,8 +130,16 @@ class Replica:
         """The replica ``python -m jaxcomm.launch --replicas N`` describes in the environment.
 
         Reads ``JAXCOMM_FT_LIGHTHOUSE``, ``JAXCOMM_FT_REPLICA_ID`` and
-        ``JAXCOMM_FT_JOB_ID``; ``kwargs`` go to the constructor.
+        ``JAXCOMM_FT_JOB_ID``; ``kwargs`` go to the constructor. In a group of
+        several processes (``-n M``) only rank 0 has one: call
+        :meth:`jaxcomm.ft.Group.from_env` on every rank instead.
         """
+        rank = os.environ.get(ENV_PROCESS_ID, "0")
+        if rank != "0":
+            raise RuntimeError(
+                f"this process is rank {rank} of its replica group, and only rank 0 holds "
+                "the group's Replica: call jaxcomm.ft.Group.from_env() on every rank"
+            )
         missing = [
             k
             for k in ("JAXCOMM_FT_LIGHTHOUSE", "JAXCOMM_FT_REPLICA_ID", "JAXCOMM_FT_JOB_ID")
