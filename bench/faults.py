@@ -69,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--time-limit", type=float, default=3600.0, help="seconds per run before it is killed"
     )
-    p.add_argument("--quick", action="store_true", help="3 groups, 16 rounds, H=4: the CI form")
+    p.add_argument(
+        "--quick", action="store_true", help="3 groups, 24 rounds, H=10, 5 s deadline: the CI form"
+    )
     p.add_argument("--skip-baseline", action="store_true", help="only the run with faults")
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="a folder to keep the runs' logs and plans in")
