@@ -1,7 +1,8 @@
 """One rank of a replica group of several processes, for tests/test_ft_group.py.
 
 Run under ``python -m jaxcomm.launch --replicas N -n M --devices-per-process D``:
-DiLoCo (SGD inner, SGD(1) outer) on a linear model whose params are replicated
+DiLoCo (SGD inner, SGD(1) outer), or with ``--mode dp`` DataParallel (SGD,
+bfloat16 between groups), on a linear model whose params are replicated
 over the group's M * D devices and whose batch of 8 rows is split over them,
 so that each inner step's gradient is summed across the group's processes.
 Writes ``OUT/r{replica}-p{rank}-i{incarnation}.json``: the final params' bytes
@@ -38,6 +39,7 @@ def main() -> int:
     p.add_argument("--sync-every", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--kill", default=None)
+    p.add_argument("--mode", choices=("diloco", "dp"), default="diloco")
     args = p.parse_args()
 
     import jaxcomm.distributed
@@ -66,7 +68,11 @@ def main() -> int:
     incarnation = int(os.environ["JAXCOMM_FT_INCARNATION"])
     kill = None if args.kill is None else tuple(int(v) for v in args.kill.split(":"))
     group = ft.Group.from_env(timeout=10.0)
-    trainer = ft.DiLoCo(group, loss, optax.sgd(args.lr), optax.sgd(1.0), sync_every=args.sync_every)
+    if args.mode == "diloco":
+        inner, outer = optax.sgd(args.lr), optax.sgd(1.0)
+        trainer = ft.DiLoCo(group, loss, inner, outer, sync_every=args.sync_every)
+    else:
+        trainer = ft.DataParallel(group, loss, optax.sgd(args.lr), wire_dtype="bfloat16")
     state = trainer.start({"w": place(np.zeros(5, np.float32), P())})
     everyone = int(os.environ["JAXCOMM_FT_REPLICAS"])
     # Until both the round count and a round with every group: a group left alone by a

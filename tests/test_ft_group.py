@@ -113,29 +113,44 @@ def _run_groups(tmp_path, *extra, rounds=3, h=3):
     return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}, done
 
 
-@pytest.mark.slow
-def test_groups_of_two_processes_match_numpy_and_hold_the_same_bits(tmp_path):
-    rounds, h, lr = 3, 3, 0.02
-    records, _ = _run_groups(tmp_path, rounds=rounds, h=h)
-    assert set(records) == {f"r{r}-p{p}-i0" for r in (0, 1) for p in (0, 1)}
-    assert {(v["processes"], v["devices"]) for v in records.values()} == {(2, 4)}
+def _reference(mode, rounds, h, lr):
+    """float64 NumPy: 2 groups, each step's gradient over the group's whole batch of 8 rows."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from ft_group_worker import batch
     finally:
         sys.path.pop(0)
+
+    def grad(w, r, s, i):
+        return _grad64(w, *(a.astype(np.float64) for a in batch(r, s, i, 2)))
+
     w = np.zeros(5)
-    for r in range(rounds):  # outer SGD(1) on the mean pseudo-gradient: the mean local params
-        local = []
+    for r in range(rounds):
+        if mode == "dp":  # the mean gradient (bfloat16 on the wire: within rtol)
+            w = w - lr * np.mean([grad(w, r, 0, i) for i in range(2)], axis=0)
+            continue
+        local = []  # outer SGD(1) on the mean pseudo-gradient: the mean local params
         for i in range(2):
             v = w.copy()
             for s in range(h):
-                v -= lr * _grad64(v, *(a.astype(np.float64) for a in batch(r, s, i, 2)))
+                v -= lr * grad(v, r, s, i)
             local.append(v)
         w = np.mean(local, axis=0)
+    return w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diloco", "dp"])
+def test_groups_of_two_processes_match_numpy_and_hold_the_same_bits(tmp_path, mode):
+    rounds, h, lr = 3, 3, 0.02
+    records, _ = _run_groups(tmp_path, "--mode", mode, rounds=rounds, h=h)
+    assert set(records) == {f"r{r}-p{p}-i0" for r in (0, 1) for p in (0, 1)}
+    assert {(v["processes"], v["devices"]) for v in records.values()} == {(2, 4)}
     bits = {v["w"] for v in records.values()}
     assert len(bits) == 1
-    np.testing.assert_allclose(np.frombuffer(bytes.fromhex(bits.pop()), np.float32), w, rtol=1e-5)
+    w = np.frombuffer(bytes.fromhex(bits.pop()), np.float32)
+    rtol = 1e-2 if mode == "dp" else 1e-5
+    np.testing.assert_allclose(w, _reference(mode, rounds, h, lr), rtol=rtol)
     logs = [v["log"] for v in records.values()]
     assert all(log == logs[0] for log in logs)  # rank 1 saw what rank 0 decided
     assert [e[1] for e in logs[0]] == [True] * (rounds + 1)

@@ -116,16 +116,20 @@ class Group:
             r = self.replica.sync(contribution, contributes=contributes, wire_dtype=wire_dtype)
             self._shard = self.replica.shard()
         else:
-            outcome = None
+            outcome, error = None, None
             if self.leads:
                 try:
                     r = self.replica.sync(
                         contribution, contributes=contributes, wire_dtype=wire_dtype
                     )
                     outcome = _encode(r, self.replica.shard())
-                except Exception as e:  # noqa: BLE001 - raised again on every rank by _decode
+                except Exception as e:  # noqa: BLE001 - the other ranks raise it too, below
+                    error = e
                     outcome = _frame({"error": type(e).__name__, "message": str(e)}, b"")
-            r, self._shard = _decode(_broadcast(outcome))
+            payload = _broadcast(outcome)
+            if error is not None:
+                raise error
+            r, self._shard = _decode(payload)
         if r.healed is not None:  # the Replica committed it on rank 0
             self._committed = r.healed
             self._hash = self.replica.state_hash if self.leads else r.healed.hash()
