@@ -98,6 +98,16 @@ def test_bad_groups_are_refused_in_jaxcomms_words():
         ft.DataParallel("127.0.0.1:1", lambda p, b: 0.0, optax.sgd(0.1))
 
 
+def test_a_group_of_several_processes_without_initialize_is_told_to_call_it(monkeypatch):
+    monkeypatch.setenv("JAXCOMM_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXCOMM_PROCESS_ID", "1")
+    with pytest.raises(RuntimeError, match=r"call jaxcomm.distributed.initialize\(\) before"):
+        ft.Group.from_env()
+    # Rank 1 must not take the Replica either way.
+    with pytest.raises(RuntimeError, match="only rank 0 holds the group's Replica"):
+        ft.Replica.from_env()
+
+
 def _grad64(w, x, y):
     return 2 * x.T @ (x @ w - y) / len(y)
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from jaxcomm.distributed.startup import ENV_PROCESS_ID
+from jaxcomm.distributed.startup import ENV_NUM_PROCESSES
 from jaxcomm.ft.replica import JobFinished, Replica, Round
 from jaxcomm.ft.snapshot import Snapshot
 
@@ -66,10 +68,18 @@ class Group:
     def from_env(cls, **kwargs) -> Group:
         """The group ``python -m jaxcomm.launch --replicas N [-n M]`` describes.
 
-        Rank 0 (``JAXCOMM_PROCESS_ID``, 0 when unset) builds the Replica with
+        Call it after ``jaxcomm.distributed.initialize()`` in a group of several
+        processes. Rank 0 (``jax.process_index()``) builds the Replica with
         :meth:`Replica.from_env`, to which ``kwargs`` go; the other ranks follow.
         """
-        if int(os.environ.get(ENV_PROCESS_ID, "0")) == 0:
+        processes = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
+        if processes > 1 and jax.process_count() == 1:
+            raise RuntimeError(
+                f"this replica group has {processes} processes ({ENV_NUM_PROCESSES}), but "
+                "JAX sees only this one: call jaxcomm.distributed.initialize() before "
+                "Group.from_env()"
+            )
+        if jax.process_index() == 0:
             return cls(Replica.from_env(**kwargs))
         if "JAXCOMM_FT_REPLICA_ID" not in os.environ:
             raise RuntimeError(
@@ -148,8 +158,6 @@ class Group:
 
 
 def _single_process() -> bool:
-    import jax
-
     return jax.process_count() == 1
 
 
@@ -208,8 +216,6 @@ def _broadcast(payload: bytes | None) -> bytes:
     """Rank 0's ``payload`` on every rank of this JAX job (itself when it is alone)."""
     if _single_process():
         return payload
-    from jax.experimental import multihost_utils
-
     size = np.array([0 if payload is None else len(payload)], np.int64)
     (size,) = multihost_utils.broadcast_one_to_all((size,))
     n = int(size[0])
