@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mode", choices=("diloco", "dp"), default="diloco")
+    p.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's; the example's default")
     p.add_argument("--fault-every", type=int, default=3, help="rounds between faults")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, in turn")
     p.add_argument(
@@ -200,6 +201,8 @@ def run(args, label: str, workdir: str, faults: bool = False) -> dict:
         str(args.timeout),
     ]
     command += ["--eval-every", str(args.eval_every), "--log", log]
+    if args.outer_lr is not None:
+        command += ["--outer-lr", str(args.outer_lr)]
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     start = time.time()
     proc = subprocess.Popen(
