@@ -213,9 +213,7 @@ def _decode(payload: bytes) -> tuple[Round, tuple[int, int]]:
 
 
 def _broadcast(payload: bytes | None) -> bytes:
-    """Rank 0's ``payload`` on every rank of this JAX job (itself when it is alone)."""
-    if _single_process():
-        return payload
+    """Rank 0's ``payload`` (``None`` on the other ranks) on every rank of this JAX job."""
     size = np.array([0 if payload is None else len(payload)], np.int64)
     (size,) = multihost_utils.broadcast_one_to_all((size,))
     n = int(size[0])
