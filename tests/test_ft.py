@@ -403,6 +403,90 @@ def test_diloco_matches_numpy_and_every_group_holds_the_same_bits(lighthouse):
     assert len(hashes) == 1 and [e.committed for e in trainers[0].log] == [True] * (rounds + 1)
 
 
+def _adamw64(w, g, state, lr, wd=1e-4, b1=0.9, b2=0.999, eps=1e-8):
+    """optax.adamw's step in float64: (new w, new (mu, nu, count))."""
+    mu, nu, count = state
+    mu, nu, count = b1 * mu + (1 - b1) * g, b2 * nu + (1 - b2) * g * g, count + 1
+    u = (mu / (1 - b1**count)) / (np.sqrt(nu / (1 - b2**count)) + eps) + wd * w
+    return w - lr * u, (mu, nu, count)
+
+
+def test_diloco_through_a_death_and_a_heal_matches_numpy_with_adamw_and_nesterov():
+    # Group 2 leaves after round 2 and comes back as a restarted process would: a new
+    # Replica and trainer from the initial params. It heals from group 0 (params, outer
+    # momentum and group 0's AdamW state), sends weight 0 in that round and contributes from
+    # the next. A float64 replay of the rounds as the groups logged them must give the same
+    # params: a wrong heal, shard or mean would not.
+    lr, outer_lr, h, rounds, die = 0.05, 0.5, 3, 9, 2
+    # Heartbeats that threads on a busy machine keep up with: nobody is dropped by mistake.
+    lighthouse = ft.Lighthouse(JOB, heartbeat_timeout=3.0, quorum_timeout=10.0)
+    replicas = _replicas(lighthouse, 3)
+    outer = optax.sgd(outer_lr, momentum=0.9, nesterov=True)
+    trainers = [ft.DiLoCo(r, _loss, optax.adamw(lr), outer, sync_every=h) for r in replicas]
+    go, ready = threading.Event(), threading.Event()
+
+    def loop(t, state):
+        while state.round < rounds:
+            if t is trainers[0] and state.round == die + 2 and not go.is_set():
+                go.set()  # two rounds without group 2: it comes back now
+                assert ready.wait(10), "group 2 did not come back"
+            index, count = t.shard()
+            x, y = _batch(state.round, state.step, index, count)
+            state, _ = t.step(state, (x.astype(np.float32), y.astype(np.float32)))
+        t.group.close(finished=True)
+        return state
+
+    def gone_and_back():
+        _train(trainers[2], rounds, die_at=die)
+        assert go.wait(30), "group 0 did not reach round 4"
+        replicas.append(ft.Replica(_address(lighthouse), replica_id=2, job_id=JOB, timeout=5.0))
+        trainers.append(ft.DiLoCo(replicas[-1], _loss, optax.adamw(lr), outer, sync_every=h))
+        ready.set()  # its heartbeats run: the next quorums wait for it
+        return first(trainers[-1])
+
+    def first(t):
+        return loop(t, t.start({"w": jnp.zeros(5, jnp.float32)}))
+
+    try:
+        states = _in_threads(
+            [lambda: first(trainers[0]), lambda: first(trainers[1]), gone_and_back]
+        )
+    finally:
+        _close(replicas)
+        lighthouse.close()
+    log = trainers[0].log
+    assert all(e.committed for e in log) and [e.round for e in log] == list(range(rounds + 1))
+    (joined,) = [e.round for e in trainers[3].log if e.healed]
+    assert die + 2 < joined <= die + 4  # the next quorum, or the one after if it raced
+    members = {e.round: e.members for e in log}
+    assert [len(members[r]) for r in range(rounds + 1)] == (
+        [3] * (die + 1) + [2] * (joined - die - 1) + [3] * (rounds + 1 - joined)
+    )
+    assert [e.contributors for e in log][joined] == 2  # the healed group sends weight 0
+
+    w, momentum = np.zeros(5), np.zeros(5)
+    adam = {g: (np.zeros(5), np.zeros(5), 0) for g in range(3)}
+    for r in range(1, rounds + 1):
+        if r == joined:
+            adam[2] = adam[0]  # the healer's AdamW state, as it committed round r - 1
+        deltas = []
+        for g in members[r]:
+            if r == joined and g == 2:
+                continue
+            index, count = members[r - 1].index(g), len(members[r - 1])
+            v = w.copy()
+            for s in range(h):
+                v, adam[g] = _adamw64(v, _grad64(v, *_batch(r - 1, s, index, count)), adam[g], lr)
+            deltas.append(w - v)
+        mean = np.mean(deltas, axis=0)
+        momentum = mean + 0.9 * momentum
+        w = w - outer_lr * (mean + 0.9 * momentum)
+    for s in (states[0], states[1], states[2]):
+        assert s.round == rounds
+        np.testing.assert_allclose(np.asarray(s.params["w"]), w, rtol=1e-4)
+        assert np.array_equal(np.asarray(s.params["w"]), np.asarray(states[0].params["w"]))
+
+
 def test_data_parallel_after_a_death_loses_only_the_aborted_step(lighthouse):
     replicas = _replicas(lighthouse, 3, timeout=2.0)
     lr, steps, die = 0.05, 6, 3
