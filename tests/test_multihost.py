@@ -319,7 +319,7 @@ BLOCKED_IN_PSUM = """
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jaxcomm.distributed as distributed
 
-    settings = distributed.initialize()
+    settings = distributed.initialize(heartbeat_timeout_s=int(os.environ["HEARTBEAT_S"]))
     mesh = distributed.hierarchical_mesh()
     x = jax.make_array_from_callback((2,), NamedSharding(mesh, P(("node", "local"))),
                                      lambda i: np.ones(2, np.float32)[i])
@@ -389,12 +389,14 @@ def _kill(procs: list):
         proc.wait()
 
 
-def _survivor_exit(tmp_path, victim: int, signum: int) -> tuple[int, float, str]:
+def _survivor_exit(
+    tmp_path, victim: int, signum: int, heartbeat_s: int = 30
+) -> tuple[int, float, str]:
     """Starts BLOCKED_IN_PSUM on 2 processes, sends ``signum`` to ``victim``
     once the other one is in the collective; returns the survivor's exit
     code, seconds from the signal to its exit, and its output."""
     script = _script(tmp_path, "blocked.py", BLOCKED_IN_PSUM)
-    procs = _start(tmp_path, script, VICTIM=victim)
+    procs = _start(tmp_path, script, VICTIM=victim, HEARTBEAT_S=heartbeat_s)
     survivor = 1 - victim
     try:
         _wait_for(tmp_path, victim, "victim idles", procs)
@@ -430,8 +432,8 @@ def test_a_killed_process_ends_the_others_without_a_launcher(tmp_path, victim):
 def test_a_frozen_process_ends_the_others_by_heartbeat_timeout(tmp_path):
     """SIGSTOP: the connection stays open and the collective would wait for
     good; the coordination service finds the missing heartbeats after
-    HEARTBEAT_TIMEOUT_S (measured: 26 s) and aborts the survivor."""
-    code, elapsed, output = _survivor_exit(tmp_path, 1, signal.SIGSTOP)
+    ``heartbeat_timeout_s`` (10 s here, 30 s by default) and aborts the survivor."""
+    code, elapsed, output = _survivor_exit(tmp_path, 1, signal.SIGSTOP, heartbeat_s=10)
     assert code != 0, output
     assert "survivor finished" not in output
     assert "stopped sending heartbeats" in output, output
