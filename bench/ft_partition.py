@@ -129,7 +129,9 @@ def report(args, entries, cut: dict, codes) -> int:
     if "up" not in cut:
         print("the run ended before the link was cut and restored")
         return 1
-    during = [e for e in rounds if cut["down"] <= e["time"] <= cut["up"]]
+    # Rounds that began (asked for their quorum) after the link went down: the round
+    # in flight at the cut may still have it as a member.
+    during = [e for e in rounds if cut["down"] <= e["time"] - e["seconds"] <= cut["up"]]
     others = sorted({e["round"] for e in during if e["committed"] and e["replica"] != group})
     left_out = all(
         group not in e["members"] for e in during if e["committed"] and e["replica"] != group
