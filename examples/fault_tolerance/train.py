@@ -47,7 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
     p.add_argument("--batch", type=int, default=8, help="windows of 65 bytes per group and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
-    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=0.3,
+        help="DiLoCo's outer Nesterov step; stable down to 2 groups (docs/fault_tolerance.md)",
+    )
     p.add_argument(
         "--wire",
         default=None,
@@ -140,8 +145,8 @@ def train(args, trainer, group, corpus, inject, evaluate, params, mesh):
             _log(args, group, entry, float(loss))
             first = trainer.shard()[0] == 0
             if args.eval_every and entry.committed and entry.round % args.eval_every == 0 and first:
-                loss = evaluate(state.params)
-                _log(args, group, None, loss, key="eval_loss", round=entry.round)
+                val = evaluate(state.params)
+                _log(args, group, None, val, key="eval_loss", round=entry.round)
         logged = len(trainer.log)
     return state
 
