@@ -28,14 +28,15 @@ class DiLoCo(_Trainer):
       loss_fn: ``loss_fn(params, batch) -> scalar``, differentiated at the group's local params.
       inner: the optax optimizer each group runs on its own gradients.
       outer: the optax optimizer of the averaged pseudo-gradient, e.g.
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+        ``optax.sgd(0.3, momentum=0.9, nesterov=True)``. Choose it for the
+        smallest quorum faults leave: fewer groups average a noisier mean.
       sync_every: H, inner steps between rounds, >= 1.
       wire_dtype: None (float32), "bfloat16" or "float16": what travels between groups.
 
     Example (``replica`` from :meth:`jaxcomm.ft.Group.from_env`)::
 
       trainer = DiLoCo(replica, loss_fn, optax.adamw(3e-3),
-                       optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=20)
+                       optax.sgd(0.3, momentum=0.9, nesterov=True), sync_every=20)
       state = trainer.start(params)
       while state.round < 100:
           index, count = trainer.shard()
