@@ -39,11 +39,10 @@ def _wire(**kw):
 
 
 # (id, optimizer, reference, rtol): reference "jit" (the jit form),
-# "replicated" (the converted program, model unsplit), "learns".
+# "replicated" (the converted program, model unsplit), "learns". Dense is the
+# fast tier's test below; float16 takes bfloat16's path with another dtype.
 CONFIGS = [
-    ("dense", _wire(), "jit", 1e-4),
     ("bf16", _wire(wire_dtype="bfloat16"), "jit", 1e-2),
-    ("fp16", _wire(wire_dtype="float16"), "jit", 1e-2),
     ("bf16_error_feedback", _wire(wire_dtype="bfloat16", error_feedback=True), "jit", 1e-2),
     ("bf16_buckets", _wire(wire_dtype="bfloat16", bucket_bytes=1024), "jit", 1e-2),
     ("fp8_error_feedback", _wire(wire_dtype="float8_e4m3fn", error_feedback=True), "learns", 0),
