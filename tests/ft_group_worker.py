@@ -73,7 +73,10 @@ def main() -> int:
         trainer = ft.DiLoCo(group, loss, inner, outer, sync_every=args.sync_every)
     else:
         trainer = ft.DataParallel(group, loss, optax.sgd(args.lr), wire_dtype="bfloat16")
-    state = trainer.start({"w": place(np.zeros(5, np.float32), P())})
+    x, y = batch(0, 0, 0, 1)  # compiles the step across the group's ranks before it joins
+    state = trainer.start(
+        {"w": place(np.zeros(5, np.float32), P())}, batch=(place(x, P("data")), place(y, P("data")))
+    )
     everyone = int(os.environ["JAXCOMM_FT_REPLICAS"])
     # Until both the round count and a round with every group: a group left alone by a
     # dead peer trains on until the restarted one is back, so both stop at the same round.

@@ -487,6 +487,57 @@ def test_diloco_through_a_death_and_a_heal_matches_numpy_with_adamw_and_nesterov
         assert np.array_equal(np.asarray(s.params["w"]), np.asarray(states[0].params["w"]))
 
 
+@pytest.mark.parametrize("kind", ["diloco", "dp"])
+def test_a_group_started_with_a_batch_compiles_nothing_after_it_joins(lighthouse, kind):
+    # Group 1 comes late, as a restarted group does, and passes a batch to start(): its
+    # step and round are compiled before its first quorum, for the placements its heal
+    # gives the state, so the steps and rounds that follow compile nothing more.
+    replicas = _replicas(lighthouse, 1)
+    go, ready = threading.Event(), threading.Event()
+    jitted = ("_inner_step", "_delta", "_outer_step") if kind == "diloco" else ("_grad",)
+    jitted += ("_apply_mean",) if kind == "dp" else ()
+    compiled = []
+
+    def make(replica):
+        if kind == "dp":
+            return ft.DataParallel(replica, _loss, optax.adamw(0.05))
+        return ft.DiLoCo(replica, _loss, optax.adamw(0.05), optax.sgd(0.3), sync_every=2)
+
+    def run(trainer, state, rounds=6):
+        while state.round < rounds:
+            if trainer.group.replica_id == 0 and state.round == 2 and not go.is_set():
+                go.set()
+                assert ready.wait(10), "group 1 did not come"
+            x, y = _batch(state.round, state.step, *trainer.shard())
+            state, _ = trainer.step(state, (x.astype(np.float32), y.astype(np.float32)))
+        trainer.group.close(finished=True)
+        return trainer
+
+    def late():
+        assert go.wait(30), "group 0 did not reach round 2"
+        replicas.append(ft.Replica(_address(lighthouse), replica_id=1, job_id=JOB, timeout=5.0))
+        trainer = make(replicas[-1])
+        ready.set()
+        x, y = _batch(0, 0, 0, 1)
+        batch = (x.astype(np.float32), y.astype(np.float32))
+        state = trainer.start({"w": jnp.zeros(5, jnp.float32)}, batch=batch)
+        compiled.append(sizes(trainer))  # after its join round, before its first step
+        return run(trainer, state)
+
+    def sizes(trainer):
+        return {name: getattr(trainer, name)._cache_size() for name in jitted}
+
+    try:
+        early = make(replicas[0])
+        _, trainer = _in_threads(
+            [lambda: run(early, early.start({"w": jnp.zeros(5, jnp.float32)})), late]
+        )
+    finally:
+        _close(replicas)
+    assert [e.healed for e in trainer.log].count(True) == 1 and trainer.log[-1].round == 6
+    assert compiled == [dict.fromkeys(jitted, 1)] and sizes(trainer) == compiled[0]
+
+
 def test_data_parallel_after_a_death_loses_only_the_aborted_step(lighthouse):
     replicas = _replicas(lighthouse, 3, timeout=2.0)
     lr, steps, die = 0.05, 6, 3

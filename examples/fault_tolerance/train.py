@@ -129,7 +129,10 @@ def main(argv=None) -> int:
 
 def train(args, trainer, group, corpus, inject, evaluate, params, mesh):
     """The training loop: until ``args.rounds`` rounds are committed."""
-    state = trainer.start(params)
+    # Any batch of the steps' shape: the step compiles before this group joins, so
+    # the other groups' next round does not wait for a restarted group's compilation.
+    windows = data.sample_windows(corpus.train, args.batch, 65, np.random.default_rng(args.seed))
+    state = trainer.start(params, batch=_place(windows, mesh, P("data")))
     logged = 0
     while state.round < args.rounds:
         index, count = trainer.shard()

@@ -92,11 +92,26 @@ class _Trainer:
         shared, private, _ = self._like
         return self._join(shared.place(snap.shared), private.place(snap.private), snap.round)
 
-    def _start(self, state: ReplicaState) -> ReplicaState:
+    def _start(self, state: ReplicaState, batch=None) -> ReplicaState:
         """Commits the starting state, then joins: pulls a live peer's state if it differs."""
         shared, private = self._split(state)
         self._like = (_Layout(shared), _Layout(private), _Layout(state.params))
-        self.group.commit(self._snapshot(state))
+        snapshot = self._snapshot(state)
+        # Placed from the host, as a heal or a rollback places it (committed to its
+        # devices): the steps compile for these arrays once, not again after a heal.
+        state = self._load(snapshot)
+        if jax.process_count() > 1:  # the warm-up's collectives span the group's ranks
+            multihost_utils.assert_equal(
+                np.array(batch is not None),
+                "trainer.start(batch=...) must be given on every rank of the group, or on none",
+            )
+        if batch is not None:
+            # Before this group's first quorum: a group that restarts would otherwise
+            # compile its first step while the other groups' next round waits for it.
+            params = self._like[2]
+            zeros = params.place(params.split(np.zeros(params.size, np.float32)))
+            jax.block_until_ready(self._warm_up(state, batch, zeros))
+        self.group.commit(snapshot)
         nothing = np.zeros(self._like[2].size, np.float32)
         while True:  # a join round aborted by a fault elsewhere is simply tried again
             r = self.group.sync(nothing, contributes=False, wire_dtype=self.wire_dtype)
@@ -138,6 +153,10 @@ class _Trainer:
         raise NotImplementedError
 
     def _apply(self, state: ReplicaState, mean) -> ReplicaState:
+        raise NotImplementedError
+
+    def _warm_up(self, state: ReplicaState, batch, mean) -> Any:
+        """Runs each jitted function of a step and a round once; returns their outputs."""
         raise NotImplementedError
 
 

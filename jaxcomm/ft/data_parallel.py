@@ -52,10 +52,17 @@ class DataParallel(_Trainer):
 
         self._apply_mean = apply
 
-    def start(self, params) -> ReplicaState:
-        """The starting state: ``params`` (equal on every group), or a live peer's committed one."""
+    def start(self, params, *, batch=None) -> ReplicaState:
+        """The starting state: ``params`` (equal on every group), or a live peer's committed one.
+
+        Args:
+          params: the initial params, the same on every group.
+          batch: optional, a batch like the steps': compiles the step before this
+            group joins, so that the others do not wait for it.
+        """
         # Under jit, so that in a group of several processes every leaf spans them all.
-        return self._start(ReplicaState(params, jax.jit(self.optimizer.init)(params)))
+        state = ReplicaState(params, jax.jit(self.optimizer.init)(params))
+        return self._start(state, batch)
 
     def step(self, state: ReplicaState, batch) -> tuple[ReplicaState, jax.Array]:
         """One step: the gradient on ``batch``, averaged over the groups, applied if it commits."""
@@ -73,3 +80,7 @@ class DataParallel(_Trainer):
     def _apply(self, state, mean):
         params, opt_state = self._apply_mean(state.params, state.opt_state, mean)
         return ReplicaState(params, opt_state, round=state.round + 1)
+
+    def _warm_up(self, state, batch, mean):
+        applied = self._apply_mean(state.params, state.opt_state, mean)
+        return self._grad(state.params, batch), applied

@@ -72,13 +72,19 @@ class DiLoCo(_Trainer):
         self._inner_step, self._outer_step = inner_step, outer_step
         self._delta = jax.jit(lambda params, local: jax.tree.map(lambda g, x: g - x, params, local))
 
-    def start(self, params) -> ReplicaState:
-        """The starting state: ``params`` (equal on every group), or a live peer's committed one."""
+    def start(self, params, *, batch=None) -> ReplicaState:
+        """The starting state: ``params`` (equal on every group), or a live peer's committed one.
+
+        Args:
+          params: the initial params, the same on every group.
+          batch: optional, a batch like the steps': compiles the step and the round
+            before this group joins, so that the others do not wait for it.
+        """
         # Under jit, so that in a group of several processes every leaf spans them all.
         init = jax.jit(lambda p: (self.outer.init(p), self.inner.init(p)))
         outer_state, inner_state = init(params)
         state = ReplicaState(params, outer_state, params, inner_state, 0, 0)
-        return self._start(state)
+        return self._start(state, batch)
 
     def step(self, state: ReplicaState, batch) -> tuple[ReplicaState, jax.Array]:
         """One inner step on ``batch``; every ``sync_every``-th also runs the round."""
@@ -105,3 +111,8 @@ class DiLoCo(_Trainer):
     def _apply(self, state, mean):
         params, outer_state = self._outer_step(state.params, state.opt_state, mean)
         return ReplicaState(params, outer_state, params, state.inner_state, state.round + 1, 0)
+
+    def _warm_up(self, state, batch, mean):
+        local, _, loss = self._inner_step(state.local, state.inner_state, batch)
+        outer = self._outer_step(state.params, state.opt_state, mean)
+        return loss, self._delta(state.params, local), outer
