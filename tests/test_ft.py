@@ -691,6 +691,43 @@ def test_a_member_frozen_in_the_exchange_is_not_waited_for_until_the_deadline(li
         _close(replicas)
 
 
+def test_a_group_healing_from_a_member_that_froze_turns_to_another(lighthouse):
+    # Group 2 is behind and asks group 0 first (the next id above its own, cyclically);
+    # group 0 freezes as the round starts: its state server accepts and never answers.
+    replicas = _replicas(lighthouse, 3, timeout=20.0)
+    try:
+        good = ft.Snapshot(5, (np.arange(4, dtype=np.float32),))
+        replicas[0].commit(good)
+        replicas[1].commit(good)
+        replicas[2].commit(ft.Snapshot(2, (np.zeros(4, np.float32),)))
+        assert replicas[0].state_hash == replicas[1].state_hash != replicas[2].state_hash
+        frozen = HEARTBEAT + 3.0
+
+        def freezes(phase, round_):
+            if phase == "exchange":
+                replicas[0]._closed.set()  # its heartbeats stop, its sockets stay open
+                replicas[0]._heartbeats.join()
+                time.sleep(frozen)
+
+        replicas[0]._on_phase = freezes
+        handler = replicas[0]._state_server.RequestHandlerClass
+        handler.handle = lambda self: time.sleep(frozen)
+        start, took = time.monotonic(), {}
+
+        def run(i):
+            r = replicas[i].sync(np.ones(8, np.float32))
+            took[i] = time.monotonic() - start
+            return r
+
+        rounds = _in_threads([lambda i=i: run(i) for i in range(3)])
+        assert rounds[2].healed is not None and rounds[2].healed.hash() == good.hash()
+        assert replicas[2].state_hash == replicas[1].state_hash
+        assert [r.committed for r in rounds] == [False] * 3  # group 0 never sends
+        assert took[2] < HEARTBEAT + 2.0  # not held until group 0 wakes (or the deadline)
+    finally:
+        _close(replicas)
+
+
 def test_a_slow_member_that_sends_heartbeats_is_waited_for(lighthouse):
     replicas = _replicas(lighthouse, 3, timeout=20.0)
     try:

@@ -10,10 +10,12 @@ half-open conversation behind.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
 MAX_LINE = 1 << 20
+ALIVE_POLL_S = 0.5  # how often a request waiting for its reply asks ``alive()``
 
 
 class Unreachable(ConnectionError):
@@ -53,7 +55,7 @@ def recv_exact(reader, nbytes: int) -> bytearray:
     return buf
 
 
-def request(address: tuple[str, int], message: dict, *, timeout: float, payload=None):
+def request(address: tuple[str, int], message: dict, *, timeout: float, payload=None, alive=None):
     """Sends ``message``, returns the reply (a dict), or ``(reply, bytes)`` with ``payload``.
 
     Args:
@@ -61,15 +63,28 @@ def request(address: tuple[str, int], message: dict, *, timeout: float, payload=
       message: a JSON-able dict.
       timeout: seconds for the whole exchange, connect included.
       payload: if True, read the ``nbytes`` the reply announces after it.
+      alive: optional, ``alive() -> bool``, asked every ``ALIVE_POLL_S`` while no
+        reply has come: False gives up on the server before ``timeout``.
 
     Raises:
-      Unreachable: no reply within ``timeout``, or the connection failed.
+      Unreachable: no reply within ``timeout``, the server given up on, or the
+        connection failed.
     """
     deadline = time.monotonic() + timeout
     try:
         with socket.create_connection(address, timeout=max(timeout, 1e-3)) as sock:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             send_line(sock, message)
+            # A frozen server (SIGSTOP) accepts connections and never answers.
+            while alive is not None:
+                wait = min(ALIVE_POLL_S, deadline - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError("no reply before the deadline")
+                if select.select([sock], [], [], wait)[0]:
+                    break
+                if not alive():
+                    raise ConnectionError("no reply, and the server stopped sending heartbeats")
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             reader = sock.makefile("rb")
             reply = recv_line(sock, reader)
             if not payload:

@@ -245,7 +245,7 @@ class Replica:
         if len(sizes) > 1:
             reason = f"contributions differ in length between members: {sorted(sizes)}"
         elif (self.committed.round, self._hash) != (top, reference):
-            healed, reason = self._heal(healthy, top, reference, deadline)
+            healed, reason = self._heal(healthy, top, reference, deadline, epoch)
             contributes = False
         total = None
         self._on_phase("exchange", top + 1)
@@ -329,7 +329,7 @@ class Replica:
         )
 
     def _heal(
-        self, healthy: list, top: int, reference: str, deadline: float
+        self, healthy: list, top: int, reference: str, deadline: float, epoch: int
     ) -> tuple[Snapshot | None, str]:
         """Pulls round ``top``'s state from a healthy member; (snapshot, "") or (None, why not)."""
         order = sorted(healthy, key=lambda m: (int(m["replica_id"]) - self.replica_id) % 1_000_003)
@@ -342,6 +342,8 @@ class Replica:
                     message,
                     timeout=max(deadline - time.monotonic(), 0.1),
                     payload=True,
+                    # A member frozen since the quorum would hold this group to the deadline.
+                    alive=lambda rid=int(m["replica_id"]): rid not in self._silent(epoch),
                 )
                 if "error" in header:
                     raise ValueError(header["error"])
@@ -356,6 +358,16 @@ class Replica:
             self.commit(snap)
             return snap, ""
         return None, "healing failed: " + "; ".join(errors)
+
+    def _silent(self, epoch: int) -> list:
+        """Members of ``epoch`` that stopped sending heartbeats ([] if the lighthouse is away)."""
+        try:
+            reply = _messages.request(
+                self.lighthouse, self._message("silent", epoch=epoch), timeout=1.0
+            )
+        except _messages.Unreachable:
+            return []  # the deadline still holds
+        return reply.get("silent") or []
 
     def _vote(self, epoch: int, *, ok: bool, deadline: float) -> tuple[bool, str]:
         message = self._message("vote", epoch=epoch, ok=ok)
@@ -398,12 +410,8 @@ class _Watch:
         self._thread.start()
 
     def _run(self, replica: Replica, epoch: int):
-        message = replica._message("silent", epoch=epoch)
         while not self._stop.wait(WATCH_S):
-            try:
-                silent = _messages.request(replica.lighthouse, message, timeout=1.0).get("silent")
-            except _messages.Unreachable:
-                continue  # no lighthouse: the deadline still holds
+            silent = replica._silent(epoch)
             if silent:
                 self.silent = f"replica(s) {silent} stopped sending heartbeats; aborted"
                 replica.endpoint.abort()
