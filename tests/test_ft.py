@@ -664,28 +664,40 @@ def test_nothing_listens_beyond_loopback_unless_asked(lighthouse):
     assert "RuntimeWarning" not in stderr
 
 
+def _freeze_at_exchange(replica, seconds):
+    """As a SIGSTOP as its exchange starts: heartbeats stop, nothing sent, sockets open."""
+
+    def freezes(phase, round_):
+        if phase == "exchange":
+            replica._closed.set()
+            replica._heartbeats.join()
+            time.sleep(seconds)
+
+    replica._on_phase = freezes
+
+
+def _timed_syncs(replicas):
+    """Each replica's sync of ones, in threads: (rounds, seconds from the start to each end)."""
+    start, took = time.monotonic(), {}
+
+    def run(i):
+        r = replicas[i].sync(np.ones(8, np.float32))
+        took[i] = time.monotonic() - start
+        return r
+
+    return _in_threads([lambda i=i: run(i) for i in range(len(replicas))]), took
+
+
 def test_a_member_frozen_in_the_exchange_is_not_waited_for_until_the_deadline(lighthouse):
     replicas = _replicas(lighthouse, 3, timeout=20.0)
     try:
         _commit_all(replicas, [np.zeros(2)] * 3)
 
-        def freezes(phase, round_):
-            if phase == "exchange":  # its heartbeats stop and it sends nothing, sockets open
-                replicas[2]._closed.set()
-                replicas[2]._heartbeats.join()
-                time.sleep(HEARTBEAT + 3.0)
-
-        replicas[2]._on_phase = freezes
-        start, took = time.monotonic(), {}
-
-        def run(i):
-            r = replicas[i].sync(np.ones(8, np.float32))
-            took[i] = time.monotonic() - start
-            return r
-
-        rounds = _in_threads([lambda i=i: run(i) for i in range(3)])
+        _freeze_at_exchange(replicas[2], HEARTBEAT + 3.0)
+        rounds, took = _timed_syncs(replicas)
         assert [r.committed for r in rounds] == [False] * 3
-        assert "[2] stopped sending heartbeats" in rounds[0].reason
+        # The first survivor to see it silent aborts; the other may see that abort first.
+        assert any("[2] stopped sending heartbeats" in r.reason for r in rounds[:2])
         assert max(took[0], took[1]) < HEARTBEAT + 2.0  # not the 20 s deadline
     finally:
         _close(replicas)
@@ -702,24 +714,10 @@ def test_a_group_healing_from_a_member_that_froze_turns_to_another(lighthouse):
         replicas[2].commit(ft.Snapshot(2, (np.zeros(4, np.float32),)))
         assert replicas[0].state_hash == replicas[1].state_hash != replicas[2].state_hash
         frozen = HEARTBEAT + 3.0
-
-        def freezes(phase, round_):
-            if phase == "exchange":
-                replicas[0]._closed.set()  # its heartbeats stop, its sockets stay open
-                replicas[0]._heartbeats.join()
-                time.sleep(frozen)
-
-        replicas[0]._on_phase = freezes
+        _freeze_at_exchange(replicas[0], frozen)
         handler = replicas[0]._state_server.RequestHandlerClass
         handler.handle = lambda self: time.sleep(frozen)
-        start, took = time.monotonic(), {}
-
-        def run(i):
-            r = replicas[i].sync(np.ones(8, np.float32))
-            took[i] = time.monotonic() - start
-            return r
-
-        rounds = _in_threads([lambda i=i: run(i) for i in range(3)])
+        rounds, took = _timed_syncs(replicas)
         assert rounds[2].healed is not None and rounds[2].healed.hash() == good.hash()
         assert replicas[2].state_hash == replicas[1].state_hash
         assert [r.committed for r in rounds] == [False] * 3  # group 0 never sends
