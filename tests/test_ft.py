@@ -411,6 +411,26 @@ def _adamw64(w, g, state, lr, wd=1e-4, b1=0.9, b2=0.999, eps=1e-8):
     return w - lr * u, (mu, nu, count)
 
 
+class _Hold:
+    """Group 0 waits at round ``at`` until a late group's Replica exists: its heartbeats
+    run, so the next quorums wait for it, and it joins before the job ends."""
+
+    def __init__(self, at: int):
+        self.at, self.go, self.ready = at, threading.Event(), threading.Event()
+
+
+def _steps(trainer, state, rounds, hold: _Hold):
+    """Steps ``trainer`` from ``state`` to ``rounds`` committed rounds; then it leaves, done."""
+    while state.round < rounds:
+        if trainer.group.replica_id == 0 and state.round == hold.at and not hold.go.is_set():
+            hold.go.set()
+            assert hold.ready.wait(10), "the late group did not come"
+        x, y = _batch(state.round, state.step, *trainer.shard())
+        state, _ = trainer.step(state, (x.astype(np.float32), y.astype(np.float32)))
+    trainer.group.close(finished=True)
+    return state
+
+
 def test_diloco_through_a_death_and_a_heal_matches_numpy_with_adamw_and_nesterov():
     # Group 2 leaves after round 2 and comes back as a restarted process would: a new
     # Replica and trainer from the initial params. It heals from group 0 (params, outer
@@ -423,29 +443,18 @@ def test_diloco_through_a_death_and_a_heal_matches_numpy_with_adamw_and_nesterov
     replicas = _replicas(lighthouse, 3)
     outer = optax.sgd(outer_lr, momentum=0.9, nesterov=True)
     trainers = [ft.DiLoCo(r, _loss, optax.adamw(lr), outer, sync_every=h) for r in replicas]
-    go, ready = threading.Event(), threading.Event()
-
-    def loop(t, state):
-        while state.round < rounds:
-            if t is trainers[0] and state.round == die + 2 and not go.is_set():
-                go.set()  # two rounds without group 2: it comes back now
-                assert ready.wait(10), "group 2 did not come back"
-            index, count = t.shard()
-            x, y = _batch(state.round, state.step, index, count)
-            state, _ = t.step(state, (x.astype(np.float32), y.astype(np.float32)))
-        t.group.close(finished=True)
-        return state
+    hold = _Hold(die + 2)  # two rounds without group 2: it comes back then
 
     def gone_and_back():
         _train(trainers[2], rounds, die_at=die)
-        assert go.wait(30), "group 0 did not reach round 4"
+        assert hold.go.wait(30), "group 0 did not reach round 4"
         replicas.append(ft.Replica(_address(lighthouse), replica_id=2, job_id=JOB, timeout=5.0))
         trainers.append(ft.DiLoCo(replicas[-1], _loss, optax.adamw(lr), outer, sync_every=h))
-        ready.set()  # its heartbeats run: the next quorums wait for it
+        hold.ready.set()
         return first(trainers[-1])
 
     def first(t):
-        return loop(t, t.start({"w": jnp.zeros(5, jnp.float32)}))
+        return _steps(t, t.start({"w": jnp.zeros(5, jnp.float32)}), rounds, hold)
 
     try:
         states = _in_threads(
@@ -493,7 +502,7 @@ def test_a_group_started_with_a_batch_compiles_nothing_after_it_joins(lighthouse
     # step and round are compiled before its first quorum, for the placements its heal
     # gives the state, so the steps and rounds that follow compile nothing more.
     replicas = _replicas(lighthouse, 1)
-    go, ready = threading.Event(), threading.Event()
+    hold = _Hold(2)
     jitted = ("_inner_step", "_delta", "_outer_step") if kind == "diloco" else ("_grad",)
     jitted += ("_apply_mean",) if kind == "dp" else ()
     compiled = []
@@ -503,37 +512,30 @@ def test_a_group_started_with_a_batch_compiles_nothing_after_it_joins(lighthouse
             return ft.DataParallel(replica, _loss, optax.adamw(0.05))
         return ft.DiLoCo(replica, _loss, optax.adamw(0.05), optax.sgd(0.3), sync_every=2)
 
-    def run(trainer, state, rounds=6):
-        while state.round < rounds:
-            if trainer.group.replica_id == 0 and state.round == 2 and not go.is_set():
-                go.set()
-                assert ready.wait(10), "group 1 did not come"
-            x, y = _batch(state.round, state.step, *trainer.shard())
-            state, _ = trainer.step(state, (x.astype(np.float32), y.astype(np.float32)))
-        trainer.group.close(finished=True)
-        return trainer
-
     def late():
-        assert go.wait(30), "group 0 did not reach round 2"
+        assert hold.go.wait(30), "group 0 did not reach round 2"
         replicas.append(ft.Replica(_address(lighthouse), replica_id=1, job_id=JOB, timeout=5.0))
-        trainer = make(replicas[-1])
-        ready.set()
+        trainers.append(make(replicas[-1]))
+        hold.ready.set()
         x, y = _batch(0, 0, 0, 1)
         batch = (x.astype(np.float32), y.astype(np.float32))
-        state = trainer.start({"w": jnp.zeros(5, jnp.float32)}, batch=batch)
-        compiled.append(sizes(trainer))  # after its join round, before its first step
-        return run(trainer, state)
+        state = trainers[-1].start({"w": jnp.zeros(5, jnp.float32)}, batch=batch)
+        compiled.append(sizes(trainers[-1]))  # after its join round, before its first step
+        return _steps(trainers[-1], state, 6, hold)
 
     def sizes(trainer):
         return {name: getattr(trainer, name)._cache_size() for name in jitted}
 
+    trainers = [make(replicas[0])]
+
+    def early():
+        return _steps(trainers[0], trainers[0].start({"w": jnp.zeros(5, jnp.float32)}), 6, hold)
+
     try:
-        early = make(replicas[0])
-        _, trainer = _in_threads(
-            [lambda: run(early, early.start({"w": jnp.zeros(5, jnp.float32)})), late]
-        )
+        _in_threads([early, late])
     finally:
         _close(replicas)
+    trainer = trainers[-1]
     assert [e.healed for e in trainer.log].count(True) == 1 and trainer.log[-1].round == 6
     assert compiled == [dict.fromkeys(jitted, 1)] and sizes(trainer) == compiled[0]
 

@@ -105,14 +105,14 @@ class _Trainer:
                 np.array(batch is not None),
                 "trainer.start(batch=...) must be given on every rank of the group, or on none",
             )
+        params = self._like[2]
+        nothing = np.zeros(params.size, np.float32)
         if batch is not None:
             # Before this group's first quorum: a group that restarts would otherwise
             # compile its first step while the other groups' next round waits for it.
-            params = self._like[2]
-            zeros = params.place(params.split(np.zeros(params.size, np.float32)))
-            jax.block_until_ready(self._warm_up(state, batch, zeros))
+            mean = params.place(params.split(nothing))
+            jax.block_until_ready(self._warm_up(state, batch, mean))
         self.group.commit(snapshot)
-        nothing = np.zeros(self._like[2].size, np.float32)
         while True:  # a join round aborted by a fault elsewhere is simply tried again
             r = self.group.sync(nothing, contributes=False, wire_dtype=self.wire_dtype)
             state = self._finish(state, r)
